@@ -1,0 +1,41 @@
+"""What the engine asks the model runner to compute in one step (plain Python, no torch).
+
+The engine (scheduler) builds one ``SeqChunk`` per scheduled sequence and passes the list to
+``backend.model_runner.ModelRunner.execute``. Decode chunks (exactly one new token) come first,
+then prefill chunks (one or more prompt tokens), as in vLLM's mixed batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SeqChunk:
+    """The new tokens of one sequence for this step.
+
+    Attributes:
+        token_ids: the tokens to compute now (>= 1), in order; ids in ``[0, vocab_size)``.
+        start_pos: position of ``token_ids[0]`` == number of this sequence's tokens already in the
+            KV cache (tokens). The chunk covers positions ``[start_pos, start_pos + len(token_ids))``.
+        block_table: physical KV block ids covering positions ``[0, start_pos + len(token_ids))``;
+            position ``p`` lives in block ``block_table[p // block_size]`` at offset ``p % block_size``.
+            Needs at least ``ceil((start_pos + len(token_ids)) / block_size)`` entries.
+        need_logits: return the logits of the last new token (the next-token distribution).
+            False for non-final prefill chunks.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    need_logits: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in this chunk."""
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        """Context length after this step (tokens): ``start_pos + len(token_ids)``."""
+        return self.start_pos + len(self.token_ids)

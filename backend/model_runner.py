@@ -1,0 +1,250 @@
+"""The model runner: the only backend module that touches device tensors.
+
+It loads a model (GGUF file or Hugging Face directory), owns the paged KV pool,
+turns the engine's ``SeqChunk`` list into flat device tensors + ``AttentionMetadata``
+each step, and runs the llama forward.
+
+KV pool: per layer ONE preallocated tensor ``[2, num_blocks, block_size, nkv, head_dim]``
+in the compute dtype; ``[0]`` is the K cache and ``[1]`` the V cache of that layer. Its size
+comes from ``num_kv_blocks`` or from a memory budget in bytes (``kv_cache_bytes``; default
+256 MiB on CPU, 4 GiB on CUDA).
+
+Source followed: nano-vllm ``engine/model_runner.py`` (prepare_prefill / prepare_decode),
+vLLM's slot mapping.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.batch import SeqChunk
+from backend.models.llama import LlamaModel, LlamaWeights
+from backend.protocol import ModelCard
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+DEFAULT_KV_BYTES_CPU = 256 * 1024 * 1024
+DEFAULT_KV_BYTES_CUDA = 4 * 1024 * 1024 * 1024
+
+
+def load_weights(model_path: str | os.PathLike) -> tuple[LlamaWeights, ModelCard]:
+    """Load a GGUF file or a Hugging Face model directory into float32 weights + a card.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: unsupported format or architecture.
+    """
+    p = Path(model_path)
+    if p.is_dir():
+        from backend.loaders.hf import load_hf
+
+        return load_hf(p)
+    if p.is_file():
+        from backend.loaders.gguf import load_gguf
+
+        return load_gguf(p)
+    raise FileNotFoundError(f"model not found: {p}")
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    """``"torch"`` -> ``TorchAttention``; ``"cupy"`` -> ``kernels_cupy.attention.CupyAttention`` (imported lazily).
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: the cupy backend's dependencies are missing.
+    """
+    if name == "torch":
+        from backend.attention.torch_ref import TorchAttention
+
+        return TorchAttention()
+    if name == "cupy":
+        from kernels_cupy.attention import CupyAttention  # lazy: cupy only where asked for
+
+        return CupyAttention()
+    raise ValueError(f"unknown attention backend {name!r} (torch, cupy)")
+
+
+class ModelRunner:
+    """Loads the model, owns the KV pool, executes engine steps.
+
+    Args:
+        model_path: a ``.gguf`` file or an HF directory (``config.json`` + ``*.safetensors``).
+        device: ``"cpu"`` or ``"cuda[:n]"``.
+        dtype: compute + KV dtype name: ``"float32"``, ``"bfloat16"``, ``"float16"`` (aliases fp32/bf16/fp16).
+        attention_backend: ``"torch"`` or ``"cupy"``.
+        block_size: tokens per KV block.
+        kv_cache_bytes: KV pool budget in bytes over all layers (ignored when ``num_kv_blocks`` is given).
+        num_kv_blocks: exact number of KV blocks.
+
+    Attributes:
+        card: the ``ModelCard`` (dtype/device/attention_backend filled in).
+        config: the ``LlamaConfig``.
+        num_kv_blocks / block_size / vocab_size: ints.
+        kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_kv_blocks, block_size, nkv, head_dim]``.
+
+    Raises:
+        ValueError: bad dtype, block size or KV size (fewer than 1 block).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention_backend: str = "torch",
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)")
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.block_size = block_size
+        weights, card = load_weights(model_path)
+        self.config = weights.config
+        self.model = LlamaModel(weights, device=self.device, dtype=self.dtype)
+        del weights
+        self.attn = make_attention_backend(attention_backend)
+        cfg = self.config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_block_bytes = cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        if num_kv_blocks is None:
+            budget = kv_cache_bytes
+            if budget is None:
+                budget = DEFAULT_KV_BYTES_CUDA if self.device.type == "cuda" else DEFAULT_KV_BYTES_CPU
+            num_kv_blocks = int(budget) // self.kv_block_bytes
+        if num_kv_blocks < 1:
+            raise ValueError(f"KV budget too small: one block needs {self.kv_block_bytes} bytes")
+        self.num_kv_blocks = int(num_kv_blocks)
+        self.kv_pools = [
+            torch.zeros(2, self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_layers)
+        ]
+        self.kv_caches = [(p[0], p[1]) for p in self.kv_pools]
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = cfg.context_length
+        card.dtype = _DTYPE_NAMES[self.dtype]
+        card.device = str(self.device)
+        card.attention_backend = getattr(self.attn, "name", attention_backend)
+        self.card = card
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, int]:
+        """Flatten ``chunks`` into device tensors.
+
+        Returns:
+            ``(token_ids [T] int64, positions [T] int64, meta, logit_rows [R] int64 | None, max_pos)``.
+
+        Raises:
+            ValueError: an empty chunk, a negative start, a token id outside the vocabulary, a position
+                beyond the model's context length, a block table too short, or a block id out of range.
+        """
+        bs = self.block_size
+        nblocks = self.num_kv_blocks
+        V = self.vocab_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        qlens: list[int] = []
+        rows: list[int] = []
+        num_decodes = 0
+        decoding = True
+        max_blocks = 1
+        for c in chunks:
+            n = len(c.token_ids)
+            s = c.start_pos
+            if n == 0:
+                raise ValueError("SeqChunk with no tokens")
+            if s < 0:
+                raise ValueError(f"negative start_pos {s}")
+            end = s + n
+            if end > self.max_model_len:
+                raise ValueError(f"position {end - 1} beyond the context length {self.max_model_len}")
+            need = -(-end // bs)
+            bt = c.block_table
+            if len(bt) < need:
+                raise ValueError(f"block table of {len(bt)} blocks cannot hold {end} tokens (block size {bs})")
+            if n == 1 and decoding:
+                num_decodes += 1
+            else:
+                decoding = False
+            tokens.extend(c.token_ids)
+            if n == 1:
+                positions.append(s)
+                slots.append(bt[s // bs] * bs + s % bs)
+            else:
+                positions.extend(range(s, end))
+                slots.extend(bt[p // bs] * bs + p % bs for p in range(s, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            qlens.append(n)
+            if c.need_logits:
+                rows.append(qsl[-1] - 1)
+            max_blocks = max(max_blocks, need)
+        if tokens and (min(tokens) < 0 or max(tokens) >= V):
+            raise ValueError(f"token id outside [0, {V})")
+        table_rows = []
+        for c in chunks:
+            bt = c.block_table[:max_blocks]
+            table_rows.append(bt + [0] * (max_blocks - len(bt)))
+        bt_all = [b for r in table_rows for b in r]
+        if bt_all and (min(bt_all) < 0 or max(bt_all) >= nblocks):
+            raise ValueError(f"block id outside [0, {nblocks})")
+        dev = self.device
+        pin = dict(device=dev)
+        tok_t = torch.tensor(tokens, dtype=torch.int64, **pin)
+        pos_t = torch.tensor(positions, dtype=torch.int64, **pin)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, **pin),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, **pin),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, **pin),
+            block_tables=torch.tensor(table_rows, dtype=torch.int32, **pin),
+            num_decodes=num_decodes,
+            max_query_len=max(qlens) if qlens else 0,
+            max_seq_len=max(seq_lens) if seq_lens else 0,
+            block_size=bs,
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=qlens,
+        )
+        rows_t = torch.tensor(rows, dtype=torch.int64, **pin) if rows else None
+        return tok_t, pos_t, meta, rows_t, max(positions) if positions else 0
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Compute one step: write the chunks' K/V into the pool and return the wanted logits.
+
+        Args:
+            chunks: decode chunks (one token) first, then prefill chunks; see ``SeqChunk``.
+
+        Returns:
+            ``[R, vocab_size] float32`` on the runner's device, one row per chunk with
+            ``need_logits`` (in chunk order): the logits after that chunk's last token.
+            ``[0, vocab_size]`` for an empty list or when no chunk needs logits.
+
+        Raises:
+            ValueError: malformed chunks (see ``prepare``).
+        """
+        if not chunks:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        tok, pos, meta, rows, max_pos = self.prepare(chunks)
+        return self.model.forward(tok, pos, self.kv_caches, self.attn, meta, rows, max_pos)

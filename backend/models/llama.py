@@ -1,0 +1,274 @@
+"""Llama-architecture decoder forward over a flattened, paged-KV batch.
+
+The model computes one engine step: ``T`` new tokens of several sequences,
+flattened (decode tokens first, then prefill chunks), with their absolute
+positions. Per layer it writes the new K/V into the paged cache through an
+``AttentionBackend`` and attends (``write_kv`` then ``forward``).
+
+Weights arrive as a ``LlamaWeights``: a ``LlamaConfig`` plus a dict of float32
+CPU tensors in Hugging Face ``LlamaForCausalLM`` naming and layout (Q/K rows in
+HF "rotate-half" order, i.e. GGUF weights already un-permuted by the loader).
+``LlamaModel`` fuses them (QKV into one matrix, gate/up into one matrix), casts
+them to the compute dtype and moves them to the device.
+
+Numerics: RMSNorm and RoPE are computed in float32 (as HF does), the residual
+stream is kept in float32 for every compute dtype, matmuls run in the compute
+dtype (float32 / bfloat16 / float16), attention accumulates in float32.
+
+Sources followed: HF transformers ``modeling_llama.py`` (RMSNorm, rotate-half
+RoPE, ``_compute_llama3_parameters``), llama.cpp ``convert_hf_to_gguf.py``
+(Q/K permutation, ``rope_freqs.weight``), nano-vllm's model runner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from backend.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class LlamaConfig:
+    """Hyperparameters of a llama-architecture model (read from GGUF metadata or HF config.json).
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (rows of the embedding).
+        hidden_size: model width ``H``.
+        intermediate_size: MLP width.
+        num_layers: decoder blocks.
+        num_heads / num_kv_heads: query and key/value heads (grouped-query attention).
+        head_dim: per-head width (``hidden_size // num_heads`` unless given).
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: RoPE frequency base.
+        rope_dim: rotated dims per head (== head_dim for every known llama model).
+        context_length: maximum positions (tokens) the model was trained for.
+        rope_scaling: ``None``, ``{"type": "linear", "factor": f}`` or
+            ``{"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings"}``.
+        tie_word_embeddings: the LM head reuses ``embed_tokens`` (no separate output matrix).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_dim: int = 0  # 0: head_dim
+    context_length: int = 2048
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rope_dim == 0:
+            self.rope_dim = self.head_dim
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"bad rope_dim {self.rope_dim} for head_dim {self.head_dim}")
+
+
+@dataclass
+class LlamaWeights:
+    """A loaded model: config + float32 CPU tensors in HF naming.
+
+    ``tensors`` keys: ``model.embed_tokens.weight [V, H]``, ``model.norm.weight [H]``,
+    optional ``lm_head.weight [V, H]`` (absent when tied), and per layer ``i``
+    ``model.layers.{i}.input_layernorm.weight [H]``,
+    ``.self_attn.{q,k,v,o}_proj.weight`` (``[nh*hd, H]``, ``[nkv*hd, H]``, ``[nkv*hd, H]``, ``[H, nh*hd]``),
+    ``.post_attention_layernorm.weight [H]``, ``.mlp.{gate,up}_proj.weight [I, H]``, ``.mlp.down_proj.weight [H, I]``.
+    ``rope_freqs`` (optional, ``[rope_dim/2]``): llama.cpp's per-frequency divisors (llama3 scaling in GGUF).
+    """
+
+    config: LlamaConfig
+    tensors: dict[str, torch.Tensor]
+    rope_freqs: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def rope_inv_freq(config: LlamaConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[rope_dim/2] float32`` (HF ``_compute_default_rope_parameters`` + scaling).
+
+    Raises:
+        ValueError: an unsupported ``rope_scaling`` type.
+    """
+    dim = config.rope_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    sc = config.rope_scaling
+    if rope_freqs is not None:
+        # llama.cpp: theta = pos * base^(-2i/d) / freq_factor[i]
+        inv_freq = inv_freq / rope_freqs.to(torch.float32)
+    elif sc:
+        kind = sc.get("type") or sc.get("rope_type")
+        if kind in (None, "default", "none"):
+            pass
+        elif kind == "linear":
+            inv_freq = inv_freq / float(sc["factor"])
+        elif kind == "llama3":
+            factor = float(sc["factor"])
+            low = float(sc.get("low_freq_factor", 1.0))
+            high = float(sc.get("high_freq_factor", 4.0))
+            old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+            low_wl, high_wl = old_ctx / low, old_ctx / high
+            wavelen = 2 * math.pi / inv_freq
+            out = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * out / factor + smooth * out
+            medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+            inv_freq = torch.where(medium, smoothed, out)
+        else:
+            raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv_freq
+
+
+class LlamaModel:
+    """Llama decoder on one device, in one compute dtype; no autograd.
+
+    Args:
+        weights: float32 weights from ``backend.loaders`` (consumed: the dict is emptied
+            layer by layer to bound peak memory).
+        device: ``"cpu"`` or ``"cuda[:n]"``.
+        dtype: compute dtype of the matmuls (``torch.float32``, ``torch.bfloat16``, ``torch.float16``).
+
+    Attributes:
+        config: the ``LlamaConfig``.
+        kv_dtype: dtype of the KV cache (== the compute dtype).
+    """
+
+    def __init__(self, weights: LlamaWeights, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        cfg = weights.config
+        self.config = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_dtype = dtype
+        t = weights.tensors
+        dev = self.device
+
+        def mat(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device=dev, dtype=dtype).contiguous()
+
+        def vec(x: torch.Tensor) -> torch.Tensor:  # norm weights stay float32
+            return x.to(device=dev, dtype=torch.float32).contiguous()
+
+        self.embed = mat(t["model.embed_tokens.weight"])
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat(
+                [t.pop(p + "self_attn.q_proj.weight"), t.pop(p + "self_attn.k_proj.weight"), t.pop(p + "self_attn.v_proj.weight")], 0
+            )
+            gate_up = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")], 0)
+            self.layers.append(
+                {
+                    "ln1": vec(t.pop(p + "input_layernorm.weight")),
+                    "qkv": mat(qkv),
+                    "o": mat(t.pop(p + "self_attn.o_proj.weight")),
+                    "ln2": vec(t.pop(p + "post_attention_layernorm.weight")),
+                    "gate_up": mat(gate_up),
+                    "down": mat(t.pop(p + "mlp.down_proj.weight")),
+                }
+            )
+        self.norm = vec(t["model.norm.weight"])
+        if "lm_head.weight" in t and not cfg.tie_word_embeddings:
+            self.lm_head = mat(t["lm_head.weight"])
+        else:
+            self.lm_head = self.embed
+        self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)
+        self._cos = self._sin = None
+        self._rope_len = 0
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+
+    # ------------------------------------------------------------------ rope
+    def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables ``[n, rope_dim] float32`` on the device, grown to cover ``max_pos``."""
+        if max_pos >= self._rope_len:
+            n = max(self.config.context_length, 1 << (max_pos + 1 - 1).bit_length(), 256)
+            pos = torch.arange(n, dtype=torch.int64).to(torch.float32)
+            freqs = pos[:, None] * self.inv_freq[None, :]  # same fp32 product as HF's matmul
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos = emb.cos().to(self.device)
+            self._sin = emb.sin().to(self.device)
+            self._rope_len = n
+        return self._cos, self._sin
+
+    def rope_cos_sin(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos/sin ``[T, 1, rope_dim] float32`` for ``positions [T] int64`` (device)."""
+        cos, sin = self._rope_tables(max_pos)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """HF rotate-half RoPE on ``x [T, heads, head_dim]`` in float32; returns the compute dtype."""
+        rd = self.config.rope_dim
+        xf = x.float()
+        if rd == self.config.head_dim:
+            x1, x2 = xf.chunk(2, dim=-1)
+            out = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
+        else:
+            xr, xp = xf[..., :rd], xf[..., rd:]
+            x1, x2 = xr.chunk(2, dim=-1)
+            out = torch.cat([xr * cos + torch.cat((-x2, x1), dim=-1) * sin, xp], dim=-1)
+        return out.to(self.dtype)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of float32 ``x [T, H]`` (HF order: normalize in fp32, cast, then scale)."""
+        return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_norm_eps).to(self.dtype)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+        logit_rows: torch.Tensor | None,
+        max_pos: int,
+    ) -> torch.Tensor:
+        """Run all layers over ``T`` new tokens and return logits of the selected rows.
+
+        Args:
+            token_ids: ``[T] int64`` on the device.
+            positions: ``[T] int64`` absolute positions on the device.
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, nkv, head_dim]``
+                in ``kv_dtype``; the new tokens' K/V are written into them.
+            attn: the attention backend.
+            meta: the step's ``AttentionMetadata``.
+            logit_rows: ``[R] int64`` rows of the batch whose logits are wanted (``None``: none).
+            max_pos: the largest value in ``positions`` (Python int; sizes the RoPE table).
+
+        Returns:
+            ``[R, vocab] float32`` logits (``[0, vocab]`` when ``logit_rows`` is None or empty).
+        """
+        cfg = self.config
+        T = token_ids.shape[0]
+        x = self.embed[token_ids].float()  # residual stream in fp32: [T, H]
+        cos, sin = self.rope_cos_sin(positions, max_pos)
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qs, ks = self.q_size, self.kv_size
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = self._rms(x, layer["ln1"])
+            qkv = torch.mm(h, layer["qkv"].t())
+            q = self._apply_rope(qkv[:, :qs].view(T, nh, hd), cos, sin)
+            k = self._apply_rope(qkv[:, qs : qs + ks].view(T, nkv, hd), cos, sin)
+            v = qkv[:, qs + ks :].view(T, nkv, hd)
+            attn.write_kv(k, v, k_cache, v_cache, meta)
+            o = attn.forward(q, k_cache, v_cache, meta, self.scale)
+            x = x + torch.mm(o.reshape(T, qs), layer["o"].t()).float()
+            h = self._rms(x, layer["ln2"])
+            gu = torch.mm(h, layer["gate_up"].t())
+            g, u = gu.chunk(2, dim=-1)
+            x = x + torch.mm(F.silu(g) * u, layer["down"].t()).float()
+        if logit_rows is None or logit_rows.numel() == 0:
+            return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        hl = self._rms(x[logit_rows], self.norm)
+        return torch.mm(hl, self.lm_head.t()).float()
