@@ -1,0 +1,322 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill and preemption.
+
+Every engine step gets a token budget (``max_num_batched_tokens``) and a
+sequence cap (``max_num_seqs``). One call to ``schedule()`` decides, in order:
+
+1. **Running decodes** (running sequences with exactly one uncomputed token),
+   oldest admission first. A decode that needs a new block and finds none
+   preempts the most recently admitted running sequence (possibly itself).
+2. **Prefill chunks**, first of running sequences whose (re)prefill is not
+   done, then of waiting sequences admitted FCFS (the first one that does not
+   fit stops admission: no overtaking, so no starvation). Each prefill gets at
+   most ``long_prefill_token_threshold`` tokens in a first pass, so a long
+   prompt never blocks a short one for more than one step; leftover budget
+   then extends the chunks in order (a lone long prompt still uses the whole
+   budget).
+
+Preemption is by recompute: the victim's blocks are freed (full computed
+blocks stay in the prefix cache when it is on), it keeps its token ids
+(prompt + generated so far) and goes back to the front of the waiting queue
+in admission order; re-admission recomputes them. Sampled tokens are never
+re-emitted (the engine only emits newly sampled tokens).
+
+After the model ran, ``update_after_step`` advances ``num_computed_tokens``
+and registers new full blocks in the prefix cache.
+
+Plain Python, no torch. Source followed: Orca (Yu et al., OSDI 2022) for
+iteration-level scheduling; Sarathi-Serve (Agrawal et al., OSDI 2024,
+https://arxiv.org/abs/2403.02310) for chunked prefills with decodes first;
+vLLM v1's scheduler and nano-vllm's for preemption by recompute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.block_manager import BlockManager
+from backend.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """The next ``num_tokens`` uncomputed tokens of ``seq``, starting at ``start``.
+
+    ``need_logits`` is true when the chunk reaches the end of ``seq.token_ids``
+    (a token is sampled after it).
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def need_logits(self) -> bool:
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: decodes (one token each) first, then prefill chunks."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    """Waiting queue + running list over one ``BlockManager``.
+
+    Args:
+        block_manager: the pool's bookkeeping.
+        max_num_seqs: most running sequences (including forked choices).
+        max_num_batched_tokens: token budget of one step (tokens).
+        long_prefill_token_threshold: first-pass cap of one prefill chunk
+            (tokens); default ``max(block_size, max_num_batched_tokens // 4)``.
+        watermark_blocks: free blocks admission leaves untouched so running
+            decodes can grow (default 1% of the pool).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        long_prefill_token_threshold: int | None = None,
+        watermark_blocks: int | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max(
+            block_manager.block_size, max_num_batched_tokens // 4
+        )
+        self.watermark_blocks = (
+            int(0.01 * block_manager.num_blocks) if watermark_blocks is None else watermark_blocks
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._reserved = 0  # running sequences + their pending forks
+
+    # ------------------------------------------------------------------ queue ops
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FCFS)."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove ``seq`` (finished or aborted) wherever it is and free its blocks. Idempotent."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._reserved -= 1 + seq.pending_forks
+        elif seq.status is SeqStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._reserved -= 1 + seq.pending_forks
+        self.bm.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # back to the front, keeping FCFS order among the waiting
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival_order < seq.arrival_order:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see module docstring). Allocates the blocks of every chunk."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.bm
+        scheduled: dict[int, ScheduledChunk] = {}  # seq_id -> chunk
+
+        def preempt_last(keep: Sequence) -> bool:
+            """Preempt the newest running sequence; False when that is ``keep`` itself."""
+            nonlocal budget
+            victim = self.running[-1]
+            if victim is keep:
+                return False
+            ch = scheduled.pop(victim.seq_id, None)
+            if ch is not None:
+                budget += ch.num_tokens
+            self._preempt(victim)
+            out.preempted.append(victim)
+            return True
+
+        # 1. running decodes, oldest first
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+                continue
+            target = seq.num_computed_tokens + 1
+            while not bm.can_allocate(seq, target):
+                if not preempt_last(seq):
+                    break
+            if not bm.can_allocate(seq, target):
+                self._preempt(seq)
+                out.preempted.append(seq)
+                continue
+            bm.allocate(seq, target)
+            scheduled[seq.seq_id] = ScheduledChunk(seq, seq.num_computed_tokens, 1)
+            budget -= 1
+
+        # 2a. running prefills (partially computed or forked), first pass capped
+        thr = self.long_prefill_token_threshold
+        prefills: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed <= 1 or seq.seq_id in scheduled:
+                continue
+            want = min(seq.num_uncomputed, thr, budget)
+            n = self._fit(seq, want)
+            while n == 0 and preempt_last(seq):
+                n = self._fit(seq, want)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            if n == 0:
+                self._preempt(seq)
+                out.preempted.append(seq)
+                continue
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            ch = ScheduledChunk(seq, seq.num_computed_tokens, n)
+            scheduled[seq.seq_id] = ch
+            prefills.append(ch)
+            budget -= n
+
+        # 2b. admit waiting sequences FCFS (not in a step that had to preempt)
+        if not out.preempted:
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                if self._reserved + 1 + seq.pending_forks > self.max_num_seqs:
+                    break
+                cached = bm.match_prefix(seq)
+                start = len(cached) * bm.block_size
+                n = min(len(seq.token_ids) - start, thr, budget)
+                revived = sum(1 for b in cached if bm.ref_count[b] == 0)
+                # with nothing running the watermark would only block progress
+                avail = bm.num_free_blocks - revived - (self.watermark_blocks if self.running else 0)
+                n = min(n, (len(cached) + avail) * bm.block_size - start)
+                if n <= 0:
+                    break
+                self.waiting.popleft()
+                got = bm.admit(seq, cached)
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = min(got, seq.num_prompt_tokens)
+                bm.allocate(seq, start + n)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                self._reserved += 1 + seq.pending_forks
+                out.admitted.append(seq)
+                ch = ScheduledChunk(seq, start, n)
+                scheduled[seq.seq_id] = ch
+                prefills.append(ch)
+                budget -= n
+
+        # 2c. leftover budget extends prefill chunks in order
+        for ch in prefills:
+            if budget <= 0:
+                break
+            if ch.seq.seq_id not in scheduled:
+                continue
+            seq = ch.seq
+            extra = min(len(seq.token_ids) - (ch.start + ch.num_tokens), budget)
+            if extra <= 0:
+                continue
+            extra = self._fit(seq, ch.num_tokens + extra) - ch.num_tokens
+            if extra <= 0:
+                continue
+            bm.allocate(seq, ch.start + ch.num_tokens + extra)
+            ch.num_tokens += extra
+            budget -= extra
+
+        # decodes (1 token) first, then longer chunks, each group in running order
+        chunks = [c for c in scheduled.values()]
+        out.chunks = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+        return out
+
+    def _fit(self, seq: Sequence, want: int) -> int:
+        """Largest ``n <= want`` new tokens of ``seq`` whose blocks the pool can supply now."""
+        bm = self.bm
+        have = len(seq.block_table) * bm.block_size - seq.num_computed_tokens
+        if want <= have:
+            return want
+        extra_blocks = min(bm.num_new_blocks(seq, seq.num_computed_tokens + want), bm.num_free_blocks)
+        return min(want, have + extra_blocks * bm.block_size)
+
+    # ------------------------------------------------------------------ after the model ran
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` of every chunk and register full blocks."""
+        for ch in out.chunks:
+            seq = ch.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = ch.start + ch.num_tokens
+            self.bm.register_computed(seq)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Turn ``parent``'s pending forks into running ``children`` (n > 1 choices).
+
+        Call after the step that computed the parent's prompt. Each child shares
+        the parent's full computed blocks (``BlockManager.fork``) and takes one
+        of the sequence slots the parent reserved at admission.
+        """
+        if parent.status is not SeqStatus.RUNNING:
+            raise ValueError("fork of a sequence that is not running")
+        if len(children) > parent.pending_forks:
+            raise ValueError("more children than pending forks")
+        for child in children:
+            child.arrival_order = parent.arrival_order
+            self.bm.fork(parent, child)
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+        self._reserved -= parent.pending_forks - len(children)
+        parent.pending_forks = 0
+
+    def check_invariants(self) -> None:
+        """Assert block/queue consistency (tests)."""
+        self.bm.check_invariants(self.running + list(self.waiting))
+        for s in self.waiting:
+            assert s.status is SeqStatus.WAITING and not s.block_table
+        for s in self.running:
+            assert s.status is SeqStatus.RUNNING
+        assert self._reserved == sum(1 + s.pending_forks for s in self.running)
+        assert len(self.running) <= self.max_num_seqs

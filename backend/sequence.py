@@ -1,0 +1,129 @@
+"""Sequences: the unit the scheduler and block manager work on.
+
+One ``Sequence`` is one choice of one request: its token ids (prompt, then
+generated), how many of them already have K/V in the paged cache
+(``num_computed_tokens``), and its block table. The scheduler treats prefill,
+chunked prefill, recompute after preemption and forked choices alike: each
+step it schedules the next ``k`` uncomputed tokens of a sequence; when a
+chunk reaches the end of ``token_ids`` the model's logits for its last row
+are sampled and one token is appended.
+
+Plain Python, no torch: the scheduler and block manager are tested fast.
+Source followed: nano-vllm's ``Sequence`` (https://github.com/GeeeekExplorer/nano-vllm),
+vLLM v1's ``Request`` (num_computed_tokens bookkeeping).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue, holds no blocks
+    RUNNING = "running"  # admitted, holds blocks
+    FINISHED = "finished"  # done (stop/length/abort); holds nothing
+
+
+class Sequence:
+    """One choice of one request.
+
+    Attributes:
+        seq_id: process-unique int.
+        token_ids: prompt then generated token ids (grows by one per sampled token).
+        num_prompt_tokens: length of the prompt (tokens).
+        num_computed_tokens: leading tokens whose K/V are in the cache (tokens).
+        block_table: physical KV block ids, ``block_table[i]`` holds tokens
+            ``[i*block_size, (i+1)*block_size)``.
+        block_hashes: prefix-cache keys of the leading full, computed blocks
+            (``len(block_hashes) <= len(block_table)``), chained (see ``block_manager``).
+        cache_salt: prefix-cache namespace (tenant id); blocks never match across salts.
+        pending_forks: choices still to be forked off this sequence once its
+            prompt is computed (n - 1 for choice 0 of an n > 1 request, else 0).
+        max_tokens: generation limit of this choice (tokens).
+        request: the owning engine-side request object (opaque to the scheduler).
+        index: choice index in the request.
+        arrival_order: FCFS key; admission keeps it, preemption re-queues by it.
+        num_preemptions: times this sequence was preempted (recompute).
+    """
+
+    __slots__ = (
+        "seq_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "cache_salt",
+        "pending_forks",
+        "max_tokens",
+        "status",
+        "request",
+        "index",
+        "arrival_order",
+        "num_preemptions",
+        "num_cached_tokens",
+        "sampling_state",
+    )
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        *,
+        cache_salt: str = "",
+        max_tokens: int = 16,
+        pending_forks: int = 0,
+        request: Any = None,
+        index: int = 0,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        if not token_ids:
+            raise ValueError("a sequence needs at least one token")
+        self.seq_id = next(_seq_ids)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.cache_salt = cache_salt
+        self.pending_forks = pending_forks
+        self.max_tokens = max_tokens
+        self.status = SeqStatus.WAITING
+        self.request = request
+        self.index = index
+        self.arrival_order = self.seq_id
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache at first admission
+        self.sampling_state: Any = None
+
+    # -------------------------------------------------------------- lengths
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens so far (tokens)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still without K/V; 1 for a decode step, more for a (re)prefill."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
