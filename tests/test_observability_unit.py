@@ -1,0 +1,212 @@
+"""Unit-level tests of gateway/metrics.py and gateway/request_log.py (no backend, no subprocess).
+
+A small real Starlette app stands in for the request pipeline: its handlers
+call the same ``RequestRecord`` hooks the gateway pipeline calls, with real
+``backend.protocol`` messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from backend.protocol import Stats, Timings, Usage
+from gateway.errors import APIError, ContentFiltered, RateLimited
+from gateway.metrics import GatewayMetrics, parse_exposition, sample_sum
+from gateway.request_log import ACCESS_LOGGER_NAME, ObservabilityMiddleware, get_record, valid_request_id
+
+SECRET_KEY = "sk-test-UNIQUEKEY-9f8e7d6c5b4a"
+PROMPT = "zebra-quasar-lighthouse distinctive prompt"
+
+
+def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
+    async def chat(request: Request):
+        body = await request.json()
+        rec = get_record(request)
+        rec.api = "openai"
+        rec.tenant = body.get("tenant", "t1")
+        rec.model = "m"
+        rec.stream = bool(body.get("stream"))
+        rec.set_prompt(body["messages"])
+        if body.get("rate_limit"):
+            raise RateLimited("slow down", code=body["rate_limit"])
+        if body.get("filter"):
+            raise ContentFiltered("blocked", result={"hate": {"filtered": True}})
+        rec.on_submit()
+        n = int(body.get("n_tokens", 3))
+        for i in range(n):
+            rec.on_tokens(1, text=f"tok{i} ")
+        reason = body.get("finish", "length")
+        rec.on_finish(reason, Usage(prompt_tokens=7, completion_tokens=n, cached_tokens=body.get("cached", 0)), Timings(queue=0.001, prefill=0.002, decode=0.003, ttft=0.003, preemptions=body.get("preempt", 0)))
+        return JSONResponse({"ok": True})
+
+    async def abort(request: Request):
+        rec = get_record(request)
+        rec.model = "m"
+        rec.on_submit()
+        rec.on_tokens(1)
+        rec.on_tokens(1)
+        # the client "goes away": the handler returns without a finish from the backend
+        return PlainTextResponse("partial")
+
+    async def boom(request: Request):
+        get_record(request).on_submit()
+        raise RuntimeError("boom")
+
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def stream(request: Request):
+        rec = get_record(request)
+        rec.model = "m"
+        rec.on_submit()
+
+        async def gen():
+            for i in range(4):
+                rec.on_tokens(1, text="x")
+                yield b"data: x\n\n"
+            rec.on_finish("stop", Usage(prompt_tokens=5, completion_tokens=4), Timings(queue=0.0, prefill=0.001, decode=0.002))
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app = Starlette(
+        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/abort", abort), Route("/boom", boom), Route("/stream", stream), Route("/metrics", metrics.endpoint)],
+        exception_handlers={APIError: api_error},
+    )
+    return ObservabilityMiddleware(app, metrics, log_content=log_content)
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://test")
+
+
+async def scrape(c: httpx.AsyncClient) -> dict:
+    r = await c.get("/metrics")
+    assert r.status_code == 200
+    return parse_exposition(r.text)
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
+
+
+async def test_request_id_kept_or_made_on_every_response():
+    app = make_app(GatewayMetrics())
+    async with client(app) as c:
+        r = await c.get("/nope", headers={"x-request-id": "abc-123"})
+        assert r.status_code == 404 and r.headers["x-request-id"] == "abc-123"
+        r = await c.get("/metrics")
+        assert r.headers["x-request-id"].startswith("req-")
+        r = await c.get("/boom")
+        assert r.status_code == 500 and r.headers["x-request-id"].startswith("req-")
+        bad = "x" * 300
+        r = await c.get("/metrics", headers={"x-request-id": bad})
+        assert r.headers["x-request-id"] != bad
+    assert valid_request_id("a.b:c/d=e") and not valid_request_id("a b") and not valid_request_id("")
+
+
+async def test_request_metrics_exact():
+    m = GatewayMetrics("m")
+    app = make_app(m)
+    async with client(app) as c:
+        b = await scrape(c)
+        msgs = [{"role": "user", "content": "hi"}]
+        assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 3, "cached": 4, "preempt": 1})).status_code == 200
+        assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 2, "finish": "stop"})).status_code == 200
+        assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 0, "finish": "stop"})).status_code == 200
+        r = await c.post("/v1/chat/completions", json={"messages": msgs, "rate_limit": "rate_limit_exceeded"})
+        assert r.status_code == 429
+        r = await c.post("/v1/chat/completions", json={"messages": msgs, "rate_limit": "insufficient_quota"})
+        assert r.status_code == 429
+        r = await c.post("/v1/chat/completions", json={"messages": msgs, "filter": True})
+        assert r.status_code == 400
+        assert (await c.get("/abort")).status_code == 200
+        assert (await c.get("/stream")).status_code == 200
+        a = await scrape(c)
+    P = "gateway:"
+    assert delta(b, a, P + "prompt_tokens_total") == 7 * 3 + 5
+    assert delta(b, a, P + "generation_tokens_total") == 3 + 2 + 0 + 2 + 4
+    assert delta(b, a, P + "prompt_tokens_cached_total") == 4
+    assert delta(b, a, P + "request_success_total", finished_reason="length") == 1
+    assert delta(b, a, P + "request_success_total", finished_reason="stop") == 3
+    assert delta(b, a, P + "request_success_total", finished_reason="abort") == 1
+    assert delta(b, a, P + "request_aborts_total") == 1
+    assert delta(b, a, P + "rate_limited_requests_total", kind="rate_limit_exceeded") == 1
+    assert delta(b, a, P + "rate_limited_requests_total", kind="insufficient_quota") == 1
+    assert delta(b, a, P + "content_filter_blocks_total", stage="input") == 1
+    assert delta(b, a, P + "http_requests_total", path="/v1/chat/completions", status="200") == 3
+    assert delta(b, a, P + "http_requests_total", path="/v1/chat/completions", status="429") == 2
+    # one TTFT observation per request that produced a token: 2 chats + abort + stream
+    assert delta(b, a, P + "time_to_first_token_seconds_count") == 4
+    # ITL: (3-1) + (2-1) + (2-1) + (4-1)
+    assert delta(b, a, P + "inter_token_latency_seconds_count") == 7
+    assert delta(b, a, P + "e2e_request_latency_seconds_count") == 5
+    assert delta(b, a, P + "request_prefill_time_seconds_count") == 4
+    assert sample_sum(a, P + "http_requests_in_flight") == 1  # the /metrics scrape itself
+
+
+async def test_backend_counters_survive_restart_and_gauges():
+    m = GatewayMetrics("m")
+    polls = [Stats(running=2, waiting=1, kv_blocks_used=3, kv_blocks_total=12, preemptions=4, prefix_cache_queries=100, prefix_cache_hits=32),
+             Stats(running=0, kv_blocks_total=12, preemptions=1, prefix_cache_queries=10, prefix_cache_hits=0)]
+
+    async def source():
+        return polls.pop(0)
+
+    m.set_stats_source(source)
+    s1 = parse_exposition((await m.render()).decode())
+    assert sample_sum(s1, "gateway:num_requests_running") == 2
+    assert sample_sum(s1, "gateway:kv_cache_usage_perc") == pytest.approx(0.25)
+    assert sample_sum(s1, "gateway:prefix_cache_hits_total") == 32
+    s2 = parse_exposition((await m.render()).decode())  # the backend restarted: counters continue
+    assert sample_sum(s2, "gateway:num_preemptions_total") == 5
+    assert sample_sum(s2, "gateway:prefix_cache_queries_total") == 110
+    assert sample_sum(s2, "gateway:num_requests_running") == 0
+    # a failing source does not break rendering
+    async def broken():
+        raise ConnectionError("backend gone")
+
+    m.set_stats_source(broken)
+    assert b"gateway:num_preemptions_total" in await m.render()
+
+
+async def test_two_apps_one_process_and_tenant_label():
+    m1, m2 = GatewayMetrics("m", tenant_label=True, max_tenants=1), GatewayMetrics("m")
+    async with client(make_app(m1)) as c1, client(make_app(m2)) as c2:
+        for tenant in ("alpha", "beta"):
+            await c1.post("/v1/chat/completions", json={"messages": [], "tenant": tenant})
+        await c2.post("/v1/chat/completions", json={"messages": []})
+        s1, s2 = await scrape(c1), await scrape(c2)
+    assert sample_sum(s1, "gateway:prompt_tokens_total", tenant="alpha") == 7
+    assert sample_sum(s1, "gateway:prompt_tokens_total", tenant="other") == 7  # past max_tenants
+    assert sample_sum(s2, "gateway:prompt_tokens_total") == 7
+    assert all("tenant" not in dict(lv) for (n, lv) in s2 if n == "gateway:prompt_tokens_total")
+
+
+@pytest.mark.parametrize("log_content", [False, True])
+async def test_access_log_has_no_key_and_content_only_when_enabled(caplog, log_content):
+    app = make_app(GatewayMetrics(), log_content=log_content)
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER_NAME)
+    async with client(app) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": PROMPT}], "n_tokens": 2},
+            headers={"authorization": f"Bearer {SECRET_KEY}", "x-request-id": "rid-42"},
+        )
+        assert r.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == ACCESS_LOGGER_NAME]
+    assert len(lines) == 1
+    entry = json.loads(lines[0])
+    assert entry["request_id"] == "rid-42" and entry["status"] == 200 and entry["tenant"] == "t1"
+    assert entry["prompt_tokens"] == 7 and entry["completion_tokens"] == 2 and entry["finish_reason"] == "length"
+    assert entry["ttft_s"] is not None and entry["prefill_s"] == 0.002
+    assert SECRET_KEY not in lines[0]
+    assert (PROMPT in lines[0]) is log_content
+    assert ("tok1" in lines[0]) is log_content
