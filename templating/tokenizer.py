@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-__all__ = ["TextTokenizer", "load_tokenizer", "bytes_to_unicode"]
+__all__ = ["TextTokenizer", "load_tokenizer", "cached_tokenizer", "bytes_to_unicode"]
 
 # GGUF token types (gguf.TokenType / llama.cpp llama_token_type).
 _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
@@ -111,6 +111,9 @@ class TextTokenizer:
     byte_level: bool = True
     special_ids: frozenset[int] = field(init=False)
     stop_token_ids: frozenset[int] = field(init=False)
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_id}, specials={len(self.special_ids)})"
 
     def __post_init__(self) -> None:
         self.special_ids = frozenset(self.special_tokens)
@@ -321,3 +324,9 @@ def _from_hf_dir(d: Path) -> TextTokenizer:
         chat_template=template,
         byte_level=byte_level,
     )
+
+
+@lru_cache(maxsize=4)
+def cached_tokenizer(path: str) -> TextTokenizer:
+    """``load_tokenizer`` memoized per path (the tokenizer is immutable; share it between requests)."""
+    return load_tokenizer(path)

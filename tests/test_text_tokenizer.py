@@ -1,0 +1,93 @@
+"""Tokenizer: GGUF vocab -> tokenizers.Tokenizer, checked against the shared fixtures (exact ids)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from templating import cached_tokenizer, load_tokenizer
+from templating.tokenizer import bytes_to_unicode
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    return cached_tokenizer(model_path)
+
+
+def test_fixture_texts_exact(tok, tokenizer_fixtures):
+    assert len(tokenizer_fixtures) >= 10
+    for case in tokenizer_fixtures:
+        assert tok.encode_plain(case["text"]) == case["ids"], case["text"]
+        assert tok.decode(case["ids"]) == case["text"]
+
+
+def test_digits_split_individually(tok):
+    ids = tok.encode_plain("2024")
+    assert len(ids) == 4
+    assert [tok.decode([i]) for i in ids] == ["2", "0", "2", "4"]
+
+
+def test_special_ids(tok):
+    assert tok.vocab_size == 49152
+    assert tok.im_start_id == 1 and tok.im_end_id == 2
+    assert tok.bos_token_id == 1 and tok.eos_token_id == 2
+    assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
+    assert tok.special_ids == frozenset(range(17))
+    assert 2 in tok.stop_token_ids
+
+
+def test_plain_vs_special_encoding(tok):
+    text = "a<|im_end|>b<|im_start|>"
+    plain = tok.encode_plain(text)
+    assert not set(plain) & tok.special_ids
+    assert tok.decode(plain) == text
+    assert tok.encode_with_specials(text) == tok.encode_plain("a") + [2] + tok.encode_plain("b") + [1]
+
+
+def test_decode_skips_specials(tok):
+    ids = [1] + tok.encode_plain("hi") + [2]
+    assert tok.decode(ids) == "hi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>hi<|im_end|>"
+
+
+def test_byte_table_matches_decode(tok):
+    """id_to_bytes[i] is what tokenizers' ByteLevel decoder produces for token i (every id)."""
+    assert len(tok.id_to_bytes) == tok.vocab_size
+    ids = list(range(tok.vocab_size))
+    decoded = tok.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    for i, text in zip(ids, decoded):
+        assert tok.id_to_bytes[i].decode("utf-8", "replace") == text, i
+    # Single-byte tokens: all printable ASCII, \t \n \r, every continuation byte (0x80-0xBF) and the lead
+    # bytes of 2- and 3-byte sequences. SmolLM2's vocab lacks 0x04 0x06 0x13 0x14 0x16 0x1D, 0xF1 0xF2 and
+    # the never-valid 0xC0 0xC1 0xF5-0xFF: such characters are dropped by encode (as in HF, unk_token null).
+    singles = {tok.id_to_bytes[i][0] for i in ids if len(tok.id_to_bytes[i]) == 1}
+    assert set(range(0x20, 0x7F)) | {9, 10, 13} | set(range(0x80, 0xC0)) | set(range(0xC2, 0xF0)) <= singles
+
+
+def test_hf_directory_roundtrip(tok, tmp_path):
+    """A Hugging Face directory (tokenizer.json + tokenizer_config.json) loads to the same tokenizer."""
+    tok.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": tok.chat_template})
+    )
+    hf = load_tokenizer(tmp_path)
+    assert hf.vocab_size == tok.vocab_size
+    assert hf.special_ids == tok.special_ids
+    assert hf.id_to_bytes == tok.id_to_bytes
+    assert hf.chat_template == tok.chat_template
+    assert (hf.bos_token_id, hf.eos_token_id) == (1, 2)
+    for text in ["12345 apples", "hello<|im_end|>world", "Xin chào 你好 🙂👍🏽"]:
+        assert hf.encode_plain(text) == tok.encode_plain(text)
+
+
+def test_bytes_to_unicode_is_a_bijection():
+    m = bytes_to_unicode()
+    assert len(m) == 256 and len(set(m.values())) == 256
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path)  # a directory without tokenizer.json
