@@ -1,0 +1,159 @@
+"""Model correctness on CPU/float32 against the shared fixtures (real SmolLM2-135M Q4_1 GGUF).
+
+- every fixture case: the 50 reference logits at the last prompt position within 1e-3, and the
+  greedy continuation (decode steps of one token through the paged KV cache) identical;
+- the same prompt as one prefill, as chunks of 7 tokens, and with a shuffled block table: same logits;
+- a batch mixing decodes and prefill chunks of different lengths: each sequence's logits as when alone.
+
+Run: ``.venv/bin/python -m pytest tests/test_model_logits.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backend.batch import SeqChunk
+from backend.model_runner import ModelRunner
+
+BS = 16
+NUM_BLOCKS = 600
+
+
+@pytest.fixture(scope="module")
+def runner(model_path) -> ModelRunner:
+    return ModelRunner(model_path, device="cpu", dtype="float32", block_size=BS, num_kv_blocks=NUM_BLOCKS)
+
+
+class Blocks:
+    """Hands out disjoint block ids (tests only: no freeing)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
+
+    def take(self, tokens: int, shuffle: bool = False) -> list[int]:
+        n = -(-tokens // BS)
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        if self.next > NUM_BLOCKS:
+            self.next = n  # wrap: earlier sequences are finished
+            ids = list(range(0, n))
+            self.next = n
+        if shuffle:
+            random.Random(n).shuffle(ids)
+        return ids
+
+
+def test_card(runner: ModelRunner) -> None:
+    card = runner.card
+    assert card.vocab_size == runner.vocab_size == 49152
+    assert card.quantization == "Q4_1"
+    assert card.context_length == 8192
+    assert card.bos_token_id == 1 and card.eos_token_ids == [2]
+    assert card.chat_template and "<|im_start|>" in card.chat_template
+    assert (card.dtype, card.device, card.attention_backend) == ("float32", "cpu", "torch")
+    assert runner.num_kv_blocks == NUM_BLOCKS and runner.block_size == BS
+    cfg = runner.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
+
+
+def test_fixture_logits_and_greedy(runner: ModelRunner, chat_fixtures: list[dict]) -> None:
+    blocks = Blocks()
+    for case in chat_fixtures:
+        ids = case["prompt_ids"]
+        bt = blocks.take(len(ids) + len(case["greedy_ids"]) + 1)
+        logits = runner.execute([SeqChunk(ids, 0, bt, True)])
+        assert logits.shape == (1, runner.vocab_size) and logits.dtype == torch.float32
+        ref_ids = torch.tensor([i for i, _ in case["last_logits_top50"]])
+        ref = torch.tensor([v for _, v in case["last_logits_top50"]])
+        err = (logits[0, ref_ids] - ref).abs().max().item()
+        assert err < 1e-3, f"max logit error {err}"
+        out, pos = [], len(ids)
+        tok = int(logits[0].argmax())
+        while True:
+            out.append(tok)
+            if tok == 2 or len(out) >= len(case["greedy_ids"]):
+                break
+            tok = int(runner.execute([SeqChunk([tok], pos, bt, True)])[0].argmax())
+            pos += 1
+        assert out == case["greedy_ids"]
+
+
+def _prefill(runner, ids, bt, chunk: int | None) -> torch.Tensor:
+    if chunk is None:
+        return runner.execute([SeqChunk(ids, 0, bt, True)])[0]
+    rows = []
+    for s in range(0, len(ids), chunk):
+        part = ids[s : s + chunk]
+        last = s + chunk >= len(ids)
+        out = runner.execute([SeqChunk(part, s, bt, last)])
+        assert out.shape[0] == (1 if last else 0)
+        if last:
+            rows.append(out[0])
+    return rows[0]
+
+
+def test_chunked_and_shuffled_prefill(runner: ModelRunner, chat_fixtures: list[dict]) -> None:
+    ids = chat_fixtures[2]["prompt_ids"] + chat_fixtures[0]["prompt_ids"]  # 102 tokens
+    blocks = Blocks(300)
+    whole = _prefill(runner, ids, blocks.take(len(ids)), None)
+    chunked = _prefill(runner, ids, blocks.take(len(ids)), 7)
+    shuffled = _prefill(runner, ids, blocks.take(len(ids), shuffle=True), None)
+    shuffled_chunked = _prefill(runner, ids, blocks.take(len(ids), shuffle=True), 7)
+    for other in (chunked, shuffled, shuffled_chunked):
+        assert (other - whole).abs().max().item() < 1e-4
+
+
+def test_mixed_batch_equals_alone(runner: ModelRunner, chat_fixtures: list[dict]) -> None:
+    """Three sequences: A decodes while B and C prefill in chunks of different lengths."""
+    seqs = [c["prompt_ids"] + c["greedy_ids"][:6] for c in chat_fixtures[:3]]
+    plens = [len(c["prompt_ids"]) for c in chat_fixtures[:3]]
+    blocks = Blocks(400)
+    # alone: whole prompt, then one-token decodes over the greedy continuation
+    alone: list[dict[int, torch.Tensor]] = []
+    for s, p in zip(seqs, plens):
+        bt = blocks.take(len(s))
+        got = {p - 1: runner.execute([SeqChunk(s[:p], 0, bt, True)])[0]}
+        for pos in range(p, len(s)):
+            got[pos] = runner.execute([SeqChunk([s[pos]], pos, bt, True)])[0]
+        alone.append(got)
+    # batched: a scripted schedule of (seq, n_tokens) per step; decodes first
+    bts = [blocks.take(len(s), shuffle=True) for s in seqs]
+    done = [0, 0, 0]
+    plan = [
+        [(0, plens[0]), (1, 10)],
+        [(0, 1), (1, plens[1] - 10), (2, 5)],
+        [(0, 1), (1, 1), (2, 23)],
+        [(0, 1), (1, 1), (2, plens[2] - 28)],
+        [(0, 1), (1, 1), (2, 1)],
+        [(2, 1), (1, 1), (0, 1)],
+    ]
+    for step in plan:
+        chunks = []
+        for i, n in step:
+            s, start = seqs[i], done[i]
+            chunks.append(SeqChunk(s[start : start + n], start, bts[i], start + n - 1 in alone[i]))
+        logits = runner.execute(chunks)
+        assert logits.shape[0] == sum(c.need_logits for c in chunks)
+        row = 0
+        for (i, n), c in zip(step, chunks):
+            done[i] += n
+            if c.need_logits:
+                err = (logits[row] - alone[i][done[i] - 1]).abs().max().item()
+                assert err < 1e-4, f"seq {i} pos {done[i] - 1}: {err}"
+                row += 1
+
+
+def test_bad_chunks(runner: ModelRunner) -> None:
+    with pytest.raises(ValueError):
+        runner.execute([SeqChunk([], 0, [0], True)])
+    with pytest.raises(ValueError):
+        runner.execute([SeqChunk(list(range(20)), 0, [0], True)])  # needs 2 blocks
+    with pytest.raises(ValueError):
+        runner.execute([SeqChunk([runner.vocab_size], 0, [0], True)])
+    with pytest.raises(ValueError):
+        runner.execute([SeqChunk([1], 0, [NUM_BLOCKS], True)])
+    assert runner.execute([]).shape == (0, runner.vocab_size)
