@@ -1,0 +1,241 @@
+"""FilterPipeline (per tenant config) and OutputFilter (per choice of one request).
+
+Where the gateway calls it (see docs/filters.md):
+
+1. after auth / rate-limit admission, before templating and ``BackendClient.submit``::
+
+       messages = await pipeline.check_prompt(tenant_id, messages)   # may raise ContentFiltered (400)
+
+2. per choice, on the text produced after detokenizing and stop-string handling::
+
+       of = pipeline.output_filter(tenant_id)
+       safe = await of.feed(delta)        # send `safe` (may be ""), never the raw delta
+       if of.cut: abort the backend request; finish_reason = "content_filter"
+       ...at the end of generation (finish_reason "stop"/"length"): safe = await of.flush()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import httpx
+
+from ..errors import ContentFiltered
+from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked
+from .config import HOOK_TYPES, FilterConfig, parse_config
+
+log = logging.getLogger("gateway.filters")
+
+
+def content_filter_result(hook: str, category: str) -> dict[str, Any]:
+    """Azure-style ``content_filter_result(s)`` object naming the hook and category.
+
+    Shape: ``{category: {"filtered": true, "detected": true, "hook": hook}}`` (Azure OpenAI keys
+    its results by category, e.g. ``{"hate": {"filtered": true, "severity": "high"}}``).
+    """
+    return {category: {"filtered": True, "detected": True, "hook": hook}}
+
+
+class OutputFilter:
+    """Filters one output stream (one choice). Create with :meth:`FilterPipeline.output_filter`.
+
+    Feed it the text to send, in order; it returns the part that is now safe to send. It holds back
+    at most ``window`` characters (fewer once the stream ends: :meth:`flush` releases the rest).
+
+    Attributes:
+        window: hold-back in characters (0 when no hook scans output: text passes straight through).
+        cut: True once a hook cut the stream. After that ``feed``/``flush`` return ``""``; the caller
+            must stop generation (abort the backend request) and finish with
+            ``finish_reason: "content_filter"``. No text from the cut point on is ever returned.
+        result: when cut, ``content_filter_result(hook, category)``; else None.
+        sent: characters returned so far.
+    """
+
+    def __init__(self, scanners: list[tuple[str, OutputScanner]], window: int, tenant_id: str | None = None) -> None:
+        self._scanners = scanners
+        self.window = window if scanners else 0
+        self.tenant_id = tenant_id
+        self.cut = False
+        self.result: dict[str, Any] | None = None
+        self.sent = 0
+        self._pending = ""
+        self._context = ""
+
+    @property
+    def held(self) -> int:
+        """Characters fed but not yet returned (<= ``window`` between calls)."""
+        return len(self._pending)
+
+    async def feed(self, text: str) -> str:
+        """Add generated ``text``; return the text now safe to send (possibly ``""``).
+
+        Errors: none of its own; a hook's unexpected exception propagates (the caller should treat it
+        as an internal error; nothing unchecked has been returned).
+        """
+        if self.cut:
+            return ""
+        self._pending += text
+        if not self._scanners:
+            return self._emit(self._pending)
+        return await self._run(final=False)
+
+    async def flush(self) -> str:
+        """The stream ended normally: check and return everything still held back."""
+        if self.cut or not self._pending:
+            return ""
+        return await self._run(final=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _emit(self, out: str) -> str:
+        self._pending = ""
+        self.sent += len(out)
+        return out
+
+    async def _chain(self, pending: str, release: int, final: bool) -> tuple[OutputChunk, tuple[int, str, str] | None]:
+        chunk = OutputChunk(self._context, pending, release, final, self.sent, self.tenant_id)
+        for i, (name, sc) in enumerate(self._scanners):
+            res = await sc.scan(chunk)
+            if isinstance(res, OutputCut):
+                return chunk, (max(0, min(res.at, len(chunk.pending))), name, res.category)
+            chunk = res
+        return chunk, None
+
+    async def _run(self, final: bool) -> str:
+        pending = self._pending
+        release = len(pending) if final else max(0, len(pending) - self.window)
+        chunk, cut = await self._chain(pending, release, final)
+        if cut is None:
+            p = chunk.pending
+            r = len(p) if final else min(len(p), max(chunk.release, len(p) - self.window))
+            out = p[:r]
+            self._pending = p[r:]
+            self.sent += len(out)
+            self._context = (self._context + out)[-max(self.window, 32):]
+            return out
+        # Cut: nothing from the cut point on is ever sent. The text before it is re-checked by
+        # every hook as final text (a hook earlier in the list may have deferred a match in it).
+        at, name, category = cut
+        self.cut = True
+        self.result = content_filter_result(name, category)
+        prefix = chunk.pending[:at]
+        for _ in range(len(self._scanners) + 1):
+            if not prefix:
+                break
+            c2, cut2 = await self._chain(prefix, len(prefix), True)
+            if cut2 is None:
+                prefix = c2.pending
+                break
+            prefix = c2.pending[: cut2[0]]
+        else:
+            prefix = ""
+        self._pending = ""
+        self.sent += len(prefix)
+        return prefix
+
+
+class FilterPipeline:
+    """The hooks of one tenant config, built once and shared by that tenant's requests.
+
+    Attributes:
+        config: the FilterConfig it was built from.
+        hooks: Hook instances in run order.
+        enabled: False when there are no hooks (``check_prompt`` returns its input; output
+            filters pass text straight through with no hold-back).
+        filters_output: True when at least one hook runs on the output stage.
+    """
+
+    def __init__(self, config: FilterConfig, hooks: list[Hook]) -> None:
+        self.config = config
+        self.hooks = hooks
+        self._prompt_hooks = [h for h in hooks if "prompt" in h.stages]
+        self._output_hooks = [h for h in hooks if "output" in h.stages]
+        self.enabled = bool(hooks)
+        self.filters_output = bool(self._output_hooks)
+
+    async def check_prompt(self, tenant_id: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run the prompt-stage hooks in order; return the (maybe rewritten) messages.
+
+        The input list is never mutated. Call it before templating/tokenizing and scheduling.
+
+        Raises:
+            gateway.errors.ContentFiltered: 400, code ``content_filter``, param ``messages``,
+                ``innererror.content_filter_result == {category: {"filtered": true, "detected":
+                true, "hook": name}}``. The message never quotes the prompt.
+        """
+        for h in self._prompt_hooks:
+            try:
+                new = await h.check_prompt(tenant_id, messages)
+            except PromptBlocked as b:
+                log.info("prompt blocked: tenant=%s hook=%s category=%s", tenant_id, h.name, b.category)
+                raise ContentFiltered(
+                    f"The prompt was blocked by the content filter (hook '{h.name}', category '{b.category}'). "
+                    "Please modify your prompt and retry.",
+                    result=content_filter_result(h.name, b.category),
+                ) from None
+            if new is not None:
+                messages = new
+        return messages
+
+    def output_filter(self, tenant_id: str | None = None) -> OutputFilter:
+        """A fresh :class:`OutputFilter` for one output stream (one per choice when n > 1)."""
+        scanners = []
+        for h in self._output_hooks:
+            sc = h.output_scanner(tenant_id)
+            if sc is not None:
+                scanners.append((h.name, sc))
+        return OutputFilter(scanners, self.config.output_window, tenant_id)
+
+
+def build_pipeline(config: FilterConfig, *, http_client: httpx.AsyncClient | None = None) -> FilterPipeline:
+    """Instantiate the hooks of ``config``.
+
+    Args:
+        http_client: optional shared ``httpx.AsyncClient`` for webhook hooks (connection reuse);
+            without it each webhook call opens its own client.
+    """
+    hooks: list[Hook] = []
+    for spec in config.hooks:
+        cls = HOOK_TYPES[spec.type]
+        kw: dict[str, Any] = dict(spec.params)
+        if spec.type == "webhook" and http_client is not None:
+            kw["client"] = http_client
+        hooks.append(cls(spec.name, spec.stages, spec.roles, **kw))
+    return FilterPipeline(config, hooks)
+
+
+NO_FILTERS = FilterPipeline(FilterConfig(), [])
+
+_CACHE: "OrderedDict[str, FilterPipeline]" = OrderedDict()
+_CACHE_SIZE = 256
+
+
+def pipeline_for(obj: Any) -> FilterPipeline:
+    """The pipeline for a tenant's stored filter JSON (``None``/``{}`` -> no filtering), cached.
+
+    Builds are cached by the normalized config (LRU, 256 entries), so calling this on every request
+    is cheap and a changed config takes effect on the next request.
+
+    Raises:
+        ValueError: invalid config (should not happen for configs stored through ``parse_config``).
+    """
+    if obj is None or obj == {}:
+        return NO_FILTERS
+    if isinstance(obj, FilterConfig):
+        cfg = obj
+    else:
+        cfg = parse_config(obj)
+    if not cfg.enabled:
+        return NO_FILTERS
+    key = cfg.cache_key()
+    p = _CACHE.get(key)
+    if p is None:
+        p = build_pipeline(cfg)
+        _CACHE[key] = p
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return p
