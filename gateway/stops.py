@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 from gateway.errors import InvalidRequest
 
-__all__ = ["StopMatcher", "normalize_stop"]
+__all__ = ["StopMatcher", "TextStream", "normalize_stop"]
 
 
 def normalize_stop(value: Any, *, param: str = "stop", max_count: int = 16, max_length: int = 512) -> list[str]:
@@ -145,3 +145,67 @@ class StopMatcher:
     def held(self) -> str:
         """Text currently held back (shorter than the longest stop string)."""
         return self._held
+
+
+class TextStream:
+    """Detokenizer + stop matcher for one choice: token ids in, content deltas out (the gateway's pipeline).
+
+    Args:
+        tokenizer: a ``templating.TextTokenizer``.
+        stops: stop strings (``normalize_stop`` output).
+        include_stop_str_in_output: keep the matched stop string in the content.
+        skip_special_tokens: drop special tokens from the text (default True).
+
+    Use::
+
+        ts = TextStream(tok, stops)
+        text, matched = ts.feed(step_token_ids)   # send text; if matched: finish "stop", abort the request
+        text = ts.finish()                        # on EOS / length / abort: send the rest (held text)
+
+    ``feed`` after a match returns ``("", True)``. The concatenation of all returned text equals
+    ``tokenizer.decode(ids)`` cut by the stop rule of ``StopMatcher``.
+    """
+
+    __slots__ = ("detok", "stops", "_finished")
+
+    def __init__(self, tokenizer, stops: Iterable[str] = (), *, include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+        from gateway.detokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer.for_tokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self.stops = StopMatcher(stops, include_stop_str_in_output=include_stop_str_in_output)
+        self._finished = False
+
+    @property
+    def matched(self) -> bool:
+        """True once a stop string has matched."""
+        return self.stops.matched
+
+    def feed(self, token_ids: Iterable[int] | int) -> tuple[str, bool]:
+        """Add one id or a list of ids. Returns ``(content delta, stop matched)``.
+
+        Raises:
+            IndexError: an id outside the vocabulary.
+        """
+        if self.stops.matched:
+            return "", True
+        if isinstance(token_ids, int):
+            delta = self.detok.feed(token_ids)
+        else:
+            delta = self.detok.feed_many(token_ids)
+        return self.stops.feed(delta)
+
+    def finish(self) -> str:
+        """End of generation: flush the decoder (an incomplete character -> U+FFFD) and release held text.
+
+        If the flushed text completes a stop string, the content is cut there (check ``matched`` after).
+        Idempotent.
+        """
+        if self._finished:
+            return ""
+        self._finished = True
+        if self.stops.matched:
+            return ""
+        out, matched = self.stops.feed(self.detok.flush())
+        if matched:
+            return out
+        return out + self.stops.flush()

@@ -183,3 +183,28 @@ def test_random_unicode_splits_match_reference(text, stops, data):
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
     out, matched = run(pieces, stops)
     assert ("".join(out), matched) == reference(text, stops)
+
+
+def test_text_stream_pipeline(tok):
+    from gateway.stops import TextStream
+
+    ids = tok.encode_plain("alpha beta gamma delta") + [2]
+    ts = TextStream(tok, ["beta gamma"])
+    out = []
+    for i in ids:
+        text, matched = ts.feed(i)
+        out.append(text)
+        if matched:
+            break
+    assert "".join(out) == "alpha " and ts.matched
+    assert ts.feed([5, 6]) == ("", True) and ts.finish() == ""
+
+    ts = TextStream(tok, ["<END>"])
+    text, matched = ts.feed(tok.encode_plain("done <EN"))
+    assert (text, matched) == ("done ", False)
+    assert ts.finish() == "<EN" and ts.finish() == ""
+
+    c01 = "Xin chào 你好 🙂👍🏽"
+    ts = TextStream(tok)
+    parts = [ts.feed(i)[0] for i in tok.encode_plain(c01)]
+    assert "".join(parts) + ts.finish() == c01
