@@ -170,7 +170,7 @@ class GatewayMetrics:
         self.request_success = Counter(P + "request_success", "Requests that reached the backend, by finish reason (stop, length, abort, error, content_filter).", t + ["finished_reason"], registry=r)
         self.aborts = Counter(P + "request_aborts", "Requests whose response ended before the backend finished them (client disconnect/cancel).", t, registry=r)
         self.http_requests = Counter(P + "http_requests", "HTTP responses by route and status code.", ["path", "status"], registry=r)
-        self.rate_limited = Counter(P + "rate_limited_requests", "429 responses by kind (the error code, e.g. rate_limit_exceeded, insufficient_quota; else the error type).", tt + ["kind"], registry=r)
+        self.rate_limited = Counter(P + "rate_limited_requests", "429 responses by kind: the error type (requests: RPM/concurrency, tokens: TPM, insufficient_quota: daily quota).", tt + ["kind"], registry=r)
         self.content_filter_blocks = Counter(P + "content_filter_blocks", "Content-filter blocks: stage=input (400 content_filter) or output (finish_reason content_filter).", tt + ["stage"], registry=r)
         self.in_flight = Gauge(P + "http_requests_in_flight", "HTTP requests being handled by the gateway now.", registry=r)
 
@@ -230,7 +230,7 @@ class GatewayMetrics:
         status = rec.status or 500
         self.http_requests.labels(rec.route, str(status)).inc()
         if status == 429:
-            self.rate_limited.labels(*self._tt(rec), rec.error_code or rec.error_type or "unknown").inc()
+            self.rate_limited.labels(*self._tt(rec), rec.error_type or rec.error_code or "unknown").inc()
         if status == 400 and rec.error_code == "content_filter":
             self.content_filter_blocks.labels(*self._tt(rec), "input").inc()
         if not rec.submitted:

@@ -36,7 +36,7 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
         rec.stream = bool(body.get("stream"))
         rec.set_prompt(body["messages"])
         if body.get("rate_limit"):
-            raise RateLimited("slow down", code=body["rate_limit"])
+            raise RateLimited("slow down", type=body["rate_limit"], code="rate_limit_exceeded")
         if body.get("filter"):
             raise ContentFiltered("blocked", result={"hate": {"filtered": True}})
         rec.on_submit()
@@ -121,7 +121,7 @@ async def test_request_metrics_exact():
         assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 3, "cached": 4, "preempt": 1})).status_code == 200
         assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 2, "finish": "stop"})).status_code == 200
         assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 0, "finish": "stop"})).status_code == 200
-        r = await c.post("/v1/chat/completions", json={"messages": msgs, "rate_limit": "rate_limit_exceeded"})
+        r = await c.post("/v1/chat/completions", json={"messages": msgs, "rate_limit": "tokens"})
         assert r.status_code == 429
         r = await c.post("/v1/chat/completions", json={"messages": msgs, "rate_limit": "insufficient_quota"})
         assert r.status_code == 429
@@ -138,7 +138,7 @@ async def test_request_metrics_exact():
     assert delta(b, a, P + "request_success_total", finished_reason="stop") == 3
     assert delta(b, a, P + "request_success_total", finished_reason="abort") == 1
     assert delta(b, a, P + "request_aborts_total") == 1
-    assert delta(b, a, P + "rate_limited_requests_total", kind="rate_limit_exceeded") == 1
+    assert delta(b, a, P + "rate_limited_requests_total", kind="tokens") == 1
     assert delta(b, a, P + "rate_limited_requests_total", kind="insufficient_quota") == 1
     assert delta(b, a, P + "content_filter_blocks_total", stage="input") == 1
     assert delta(b, a, P + "http_requests_total", path="/v1/chat/completions", status="200") == 3
