@@ -1,0 +1,247 @@
+"""Admission: exact limits under concurrency (in-process limiter), refill, true-up, quotas, headers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from auth.store import Store
+from gateway.errors import RateLimited
+from gateway.tenancy import Tenancy
+from ratelimit.core import Dim, Limits, format_duration, headers_for
+from ratelimit.local import LocalLimiter
+
+
+@pytest.fixture
+async def tenancy(tmp_path):
+    async with Tenancy.open(str(tmp_path / "g.db"), admin_key="admin-secret", announce=lambda s: None) as t:
+        yield t
+
+
+def scope_for(key: str) -> dict:
+    return {"headers": [(b"authorization", f"Bearer {key}".encode())], "query_string": b""}
+
+
+async def key_with(t: Tenancy, **limits) -> str:
+    tn = await t.store.call(Store.create_tenant, f"t{len(await t.store.call(Store.list_tenants))}", Limits(**limits))
+    key, _ = await t.store.call(Store.create_key, tn.id)
+    return key
+
+
+async def principal_with(t: Tenancy, **limits):
+    return await t.authenticate(scope_for(await key_with(t, **limits)))
+
+
+async def burst(t: Tenancy, p, n: int, *, prompt_tokens=1, max_tokens=1, hold: float = 0.0):
+    """n concurrent admissions; returns (admitted, list of RateLimited)."""
+    admitted, errors = [], []
+
+    async def one(i):
+        try:
+            async with t.admit(p, prompt_tokens=prompt_tokens, max_tokens=max_tokens) as r:
+                admitted.append(r)
+                await trio.sleep(hold)
+                r.finish(completion_tokens=max_tokens)
+        except RateLimited as e:
+            errors.append(e)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return admitted, errors
+
+
+def test_format_duration():
+    assert format_duration(0) == "0s"
+    assert format_duration(0.012) == "12ms"
+    assert format_duration(1) == "1s"
+    assert format_duration(2.4745) == "2.475s"
+    assert format_duration(360) == "6m0s"
+    assert format_duration(3723.5) == "1h2m3.5s"
+    assert format_duration(math.inf) == "24h0m0s"
+
+
+def test_limits_validation():
+    assert Limits.from_dict({"rpm": 5}).rpm == 5
+    for bad in ({"rpm": -1}, {"tpm": 1.5}, {"rpm": True}, {"nope": 1}, {"window_s": 0}):
+        with pytest.raises(ValueError):
+            Limits.from_dict(bad)
+
+
+def test_local_bucket_refill_is_continuous():
+    now = [0.0]
+    lim = LocalLimiter(clock=lambda: now[0])
+    d = lambda: [Dim("k:rpm", "bucket", "requests", 10, 1, 60.0)]  # noqa: E731
+    assert sum(lim.acquire_now(d(), "m").ok for _ in range(15)) == 10
+    now[0] = 5.9  # 10/60 per second: 0.98 of a request refilled
+    assert not lim.acquire_now(d(), "m").ok
+    now[0] = 6.0
+    assert lim.acquire_now(d(), "m").ok
+    assert not lim.acquire_now(d(), "m").ok
+    now[0] = 66.0
+    r = lim.acquire_now(d(), "m")
+    assert r.ok and headers_for(r.results)["x-ratelimit-remaining-requests"] == "9"
+
+
+def test_all_or_nothing():
+    lim = LocalLimiter(clock=lambda: 0.0)
+    dims = lambda tok: [Dim("r", "bucket", "requests", 10, 1, 60.0), Dim("t", "bucket", "tokens", 100, tok, 60.0)]  # noqa: E731
+    assert lim.acquire_now(dims(90), "a").ok
+    assert not lim.acquire_now(dims(20), "b").ok  # tokens fail -> the request must not be charged
+    assert lim.peek_now(dims(0))[0].remaining == 9
+
+
+async def test_rpm_exact_under_concurrency(tenancy):
+    p = await principal_with(tenancy, rpm=10)
+    ok, errs = await burst(tenancy, p, 50)
+    assert len(ok) == 10 and len(errs) == 40
+    for e in errs:
+        assert e.status == 429 and e.code == "rate_limit_exceeded" and e.type == "requests"
+        h = e.headers
+        assert h["x-ratelimit-limit-requests"] == "10" and h["x-ratelimit-remaining-requests"] == "0"
+        assert int(h["retry-after"]) >= 1 and 5000 <= int(h["retry-after-ms"]) <= 6000
+        assert h["x-ratelimit-reset-requests"]
+
+
+async def test_rpm_refills_after_window(tenancy):
+    p = await principal_with(tenancy, rpm=10, window_s=1.0)
+    ok, errs = await burst(tenancy, p, 50)
+    assert len(ok) == 10 and len(errs) == 40  # 50 admissions take far less than 0.1 s (1 refill)
+    await trio.sleep(1.05)
+    ok, errs = await burst(tenancy, p, 10)
+    assert len(ok) == 10
+
+
+async def test_tpm_exact_with_max_tokens_reservations(tenancy):
+    p = await principal_with(tenancy, tpm=1000)
+    # each request reserves 20 prompt + 80 max_tokens = 100 tokens; held so nothing is given back meanwhile
+    ok, errs = await burst(tenancy, p, 50, prompt_tokens=20, max_tokens=80, hold=0.05)
+    assert len(ok) == 10 and len(errs) == 40
+    assert all(e.type == "tokens" and e.headers["x-ratelimit-limit-tokens"] == "1000" for e in errs)
+
+
+async def test_concurrency_exact(tenancy):
+    p = await principal_with(tenancy, max_concurrent=3)
+    ok, errs = await burst(tenancy, p, 50, hold=0.2)
+    assert len(ok) == 3 and len(errs) == 47
+    assert all("concurrent" in e.message and e.headers["retry-after"] for e in errs)
+    ok, errs = await burst(tenancy, p, 3)  # slots were released
+    assert len(ok) == 3
+
+
+async def test_request_larger_than_tpm_is_rejected_at_once(tenancy):
+    p = await principal_with(tenancy, tpm=100)
+    with pytest.raises(RateLimited) as ei:
+        async with tenancy.admit(p, prompt_tokens=50, max_tokens=51):
+            pass
+    e = ei.value
+    assert "Request too large" in e.message and "Limit 100" in e.message and "Requested 101" in e.message
+    assert e.headers["x-should-retry"] == "false"
+
+
+async def test_true_up_returns_unused_tokens(tenancy):
+    p = await principal_with(tenancy, tpm=1000)
+    async with tenancy.admit(p, prompt_tokens=100, max_tokens=400) as r:
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == 500
+        r.finish(completion_tokens=10)
+    # 110 used: about 890 left (plus a little refill)
+    assert 889 <= int(r.final_headers["x-ratelimit-remaining-tokens"]) <= 900
+
+
+async def test_cancellation_gives_back_and_bills_generated_tokens(tenancy):
+    p = await principal_with(tenancy, tpm=1000, max_concurrent=1)
+    res = []
+    with trio.move_on_after(0.05):
+        async with tenancy.admit(p, prompt_tokens=100, max_tokens=800, request_id="req-c") as r:
+            res.append(r)
+            r.update(completion_tokens=7)
+            await trio.sleep(10)
+    r = res[0]
+    assert r.status == 499 and r.finish_reason == "abort"
+    h = await tenancy.peek_headers(p)
+    assert 893 <= int(h["x-ratelimit-remaining-tokens"]) <= 900
+    async with tenancy.admit(p, prompt_tokens=1, max_tokens=1):  # concurrency slot was freed
+        pass
+    await tenancy.ledger.flush()
+    rows = await tenancy.store.call(Store.usage_rows, p.tenant_id)
+    row = [x for x in rows if x["request_id"] == "req-c"][0]
+    assert row["prompt_tokens"] == 100 and row["completion_tokens"] == 7 and row["status"] == 499
+
+
+async def test_error_inside_admission_releases_and_bills(tenancy):
+    p = await principal_with(tenancy, max_concurrent=1)
+    with pytest.raises(ZeroDivisionError):
+        async with tenancy.admit(p, prompt_tokens=5, max_tokens=5, request_id="req-e"):
+            1 / 0
+    async with tenancy.admit(p, prompt_tokens=1, max_tokens=1):
+        pass
+    await tenancy.ledger.flush()
+    rows = await tenancy.store.call(Store.usage_rows, p.tenant_id)
+    assert [x["status"] for x in rows if x["request_id"] == "req-e"] == [500]
+
+
+async def test_daily_quota_insufficient_quota(tenancy):
+    p = await principal_with(tenancy, daily_tokens=100)
+    async with tenancy.admit(p, prompt_tokens=30, max_tokens=30) as r:
+        r.finish(completion_tokens=30)
+    with pytest.raises(RateLimited) as ei:
+        async with tenancy.admit(p, prompt_tokens=30, max_tokens=30):
+            pass
+    e = ei.value
+    assert e.code == "insufficient_quota" and e.type == "insufficient_quota"
+    assert e.headers["x-should-retry"] == "false" and int(e.headers["retry-after"]) >= 1
+
+
+async def test_daily_quota_is_seeded_from_ledger_after_restart(tmp_path):
+    path = str(tmp_path / "g.db")
+    async with Tenancy.open(path, announce=lambda s: None) as t:
+        p = await principal_with(t, daily_tokens=100)
+        async with t.admit(p, prompt_tokens=40, max_tokens=40) as r:
+            r.finish(completion_tokens=40)
+        key_id = p.key_id
+    async with Tenancy.open(path, announce=lambda s: None) as t:
+        rec = await t.store.call(Store.get_key, key_id)
+        assert rec is not None
+        tn = await t.store.call(Store.get_tenant, p.tenant_id)
+        from gateway.tenancy import Principal
+
+        p2 = Principal(tn.id, tn.name, rec.id, rec.prefix, tn.limits)
+        with pytest.raises(RateLimited) as ei:
+            async with t.admit(p2, prompt_tokens=10, max_tokens=20):  # 80 used + 30 > 100
+                pass
+        assert ei.value.code == "insufficient_quota"
+
+
+async def test_limit_change_applies_at_once(tenancy):
+    key = await key_with(tenancy, rpm=2)
+    p = await tenancy.authenticate(scope_for(key))
+    ok, _ = await burst(tenancy, p, 5)
+    assert len(ok) == 2
+    await tenancy.store.call(Store.update_tenant, p.tenant_id, limits=Limits(rpm=5))
+    tenancy.invalidate()  # what the admin API does after every change
+    p = await tenancy.authenticate(scope_for(key))
+    assert p.limits.rpm == 5
+    ok, _ = await burst(tenancy, p, 5)
+    assert len(ok) == 3  # raised limit: 3 more at once (debt-based bucket)
+
+
+async def test_per_key_limits(tenancy):
+    tn = await tenancy.store.call(Store.create_tenant, "kl", Limits(rpm=100))
+    key, _ = await tenancy.store.call(Store.create_key, tn.id, limits=Limits(rpm=3))
+    p = await tenancy.authenticate(scope_for(key))
+    ok, errs = await burst(tenancy, p, 10)
+    assert len(ok) == 3 and "key" in errs[0].message
+    assert errs[0].headers["x-ratelimit-limit-requests"] == "3"  # the tightest scope is reported
+
+
+async def test_unlimited_tenant_has_no_headers_but_is_billed(tenancy):
+    p = await principal_with(tenancy)
+    async with tenancy.admit(p, prompt_tokens=3, max_tokens=4, model="m") as r:
+        assert r.headers == {}
+        r.finish(completion_tokens=2, finish_reason="stop", timings={"ttft_s": 0.01})
+    await tenancy.ledger.flush()
+    [row] = await tenancy.store.call(Store.usage_rows, p.tenant_id)
+    assert (row["model"], row["total_tokens"], row["finish_reason"], row["status"]) == ("m", 5, "stop", 200)
+    assert row["timings"]["ttft_s"] == 0.01
