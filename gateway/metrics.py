@@ -335,3 +335,74 @@ def sample_sum(samples: dict, name: str, **labels: str) -> float:
         if all(d.get(k) == val for k, val in labels.items()) and not math.isnan(v):
             total += v
     return total
+
+
+# ---------------------------------------------------------------------- wiring
+
+
+def pool_stats_source(pool: Any, metrics: "GatewayMetrics | None" = None) -> StatsSource:
+    """A stats source over a ``BackendPool``: ``{supervisor.name: Stats}`` of its live clients.
+
+    Also keeps ``metrics.model_name`` in step with the pool's model card. A
+    backend whose poll fails is skipped (its last counters are kept).
+    """
+
+    async def source() -> dict[str, Any]:
+        card = getattr(pool, "card", None)
+        if metrics is not None and card is not None:
+            metrics.model_name = card.name
+        out: dict[str, Any] = {}
+        for sup in getattr(pool, "supervisors", []):
+            c = getattr(sup, "client", None)
+            if c is None or not getattr(c, "alive", False):
+                continue
+            try:
+                out[sup.name] = await c.get_stats()
+            except Exception:  # noqa: BLE001 - one dead backend must not hide the others
+                log.debug("stats poll of %s failed", sup.name, exc_info=True)
+        return out
+
+    return source
+
+
+def instrument(app: Any, gw: Any = None, *, tenant_label: bool = False, log_content: bool = False, access_log: str | None = None,
+               ollama: bool = True, metrics: "GatewayMetrics | None" = None) -> Any:
+    """Wire observability into a built Starlette app in one call; returns the ASGI app to serve.
+
+    Adds ``GET /metrics`` and (``ollama=True``) the Ollama routes to ``app``'s
+    router, sets ``gw.metrics`` and polls ``gw.pool`` for backend ``Stats`` on
+    each scrape, configures the access log when ``access_log`` is given ("-",
+    a path, or "off"), and wraps ``app`` in ``ObservabilityMiddleware``
+    (outermost, so every response, 500s included, carries ``x-request-id``).
+    The wrapper forwards attribute access (``.state``, ``.routes``...) to ``app``.
+
+    Args:
+        app: the Starlette app from ``gateway.app.build_app``.
+        gw: its ``Gateway`` (``app.state.gateway`` when None).
+        tenant_label, log_content: the ``--metrics-tenant-label`` / ``--log-content`` flags.
+    """
+    from starlette.routing import Route
+
+    from gateway.request_log import ObservabilityMiddleware, configure_access_log
+
+    if gw is None:
+        gw = app.state.gateway
+    m = metrics or GatewayMetrics(tenant_label=tenant_label)
+    pool = getattr(gw, "pool", None)
+    if pool is not None:
+        m.set_stats_source(pool_stats_source(pool, m))
+    try:
+        gw.metrics = m
+    except AttributeError:  # pragma: no cover
+        pass
+    routes = [Route("/metrics", m.endpoint, methods=["GET"])]
+    if ollama:
+        from gateway.app import chat_completions
+        from gateway.ollama_api import OllamaAPI
+
+        routes += OllamaAPI(chat_completions, lambda: getattr(pool, "card", None), gw.authenticate if gw is not None else None).routes()
+    have = {getattr(r, "path", None) for r in app.router.routes}
+    app.router.routes.extend(r for r in routes if r.path not in have)
+    if access_log is not None:
+        configure_access_log(access_log)
+    return ObservabilityMiddleware(app, m, log_content=log_content)

@@ -462,6 +462,7 @@ class OllamaAPI:
                 return JSONResponse({"model": _model(body), "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "load"})
             oa = chat_to_openai(body) if kind == "chat" else generate_to_openai(body)
             inner = await self.chat_endpoint(subrequest(request, oa))
+            rec.api = "ollama"  # the /v1 endpoint labels the record "openai"
         except APIError as exc:
             rec.set_error(exc.type, exc.code)
             return error_response(exc)

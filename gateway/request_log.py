@@ -353,12 +353,24 @@ class ObservabilityMiddleware:
         self.log_content = log_content
         if known_paths is None:
             known_paths = [getattr(r, "path", None) for r in getattr(app, "routes", []) or []]
-        self.known_paths = {p for p in known_paths if p}
+        self._known_paths = {p for p in known_paths if p}
         self.skip_log_paths = set(skip_log_paths)
+
+    def __getattr__(self, name: str) -> Any:
+        # Transparent wrapper: ``.state``, ``.routes``, ``.router``... are the wrapped app's.
+        if name == "app":
+            raise AttributeError(name)
+        return getattr(self.app, name)
 
     def route_label(self, path: str) -> str:
         """``path`` if it is a known route, else ``"other"``."""
-        return path if path in self.known_paths else "other"
+        if path in self._known_paths:
+            return path
+        routes = getattr(self.app, "routes", None)  # routes added after wrapping count too
+        if routes is not None and any(getattr(r, "path", None) == path for r in routes):
+            self._known_paths.add(path)
+            return path
+        return "other"
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
