@@ -14,7 +14,8 @@ Sources followed:
 
 Rules of this gateway (documented in ``docs/text.md``):
 
-* Text parts of one message are joined in order with ``TEXT_PART_SEPARATOR`` (``"\\n"``, vLLM's choice).
+* Text parts of one message are joined in order with ``TEXT_PART_SEPARATOR`` (``"\\n"``, vLLM's choice);
+  an assistant's ``refusal`` parts count as text.
   A part of any other type (``image_url``, ``input_audio``, ``file``...) is a 400 naming
   ``messages[i].content[j].type``.
 * Consecutive messages with the same role are NOT merged: each renders as its own block (ChatML does this).
@@ -120,7 +121,7 @@ def _compile(source: str) -> jinja2.Template:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _content_to_text(content: Any, param: str) -> str:
+def _content_to_text(content: Any, param: str, role: str = "user") -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, (list, tuple)):
@@ -132,6 +133,12 @@ def _content_to_text(content: Any, param: str) -> str:
             if not isinstance(part, dict):
                 raise InvalidRequest(f"'{pp}' must be an object.", param=pp)
             ptype = part.get("type")
+            if ptype == "refusal" and role == "assistant":  # OpenAI assistant content part
+                refusal = part.get("refusal")
+                if not isinstance(refusal, str):
+                    raise InvalidRequest(f"'{pp}.refusal' must be a string.", param=f"{pp}.refusal")
+                texts.append(refusal)
+                continue
             if ptype != "text":
                 if not isinstance(ptype, str):
                     raise InvalidRequest(f"'{pp}.type' is required and must be a string.", param=f"{pp}.type")
@@ -177,7 +184,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             # OpenAI allows a null assistant content with tool_calls; without them it is an empty message.
             text = None if m.get("tool_calls") or m.get("function_call") else ""
         else:
-            text = _content_to_text(content, f"{p}.content")
+            text = _content_to_text(content, f"{p}.content", role)
         nm = dict(m)
         nm["role"] = role
         nm["content"] = text

@@ -169,6 +169,15 @@ def test_bad_messages(tmpl, messages, param):
     assert ei.value.param == param
 
 
+def test_assistant_refusal_part_is_text(tmpl):
+    parts = [{"type": "text", "text": "No."}, {"type": "refusal", "refusal": "I can't."}]
+    p = tmpl.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": parts}, {"role": "user", "content": "y"}])
+    assert "<|im_start|>assistant\nNo.\nI can't.<|im_end|>" in p.text
+    with pytest.raises(InvalidRequest) as ei:
+        tmpl.render([{"role": "user", "content": parts}])
+    assert ei.value.param == "messages[0].content[1].type"
+
+
 def test_roles_and_null_assistant(tmpl):
     msgs = normalize_messages([{"role": "developer", "content": "d"}, {"role": "assistant", "content": None}])
     assert msgs[0]["role"] == "system" and msgs[1]["content"] == ""
