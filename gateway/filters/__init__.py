@@ -9,6 +9,8 @@ Public API (everything a caller needs; see docs/filters.md for the config schema
   ``gateway.errors.ContentFiltered`` (400, code ``content_filter``, param ``messages``).
 - ``pipeline.output_filter(tenant_id=None) -> OutputFilter``: ``await feed(text) -> str``,
   ``await flush() -> str``, ``.cut``, ``.result``, ``.window``, ``.held``.
+- ``TenantFilters()``: the adapter for ``Gateway(filters=...)``: ``await check_prompt(principal,
+  messages)``, ``output_filter(principal) -> OutputFilter | None``.
 - Extending: subclass ``Hook`` (``check_prompt`` and/or ``output_scanner`` returning an
   ``OutputScanner``), then ``register_hook_type(MyHook)``.
 
@@ -24,6 +26,7 @@ from .config import DEFAULT_WINDOW, HOOK_TYPES, FilterConfig, HookSpec, parse_co
 from .pii import PIIHook, find_pii, luhn_ok
 from .pipeline import NO_FILTERS, FilterPipeline, OutputFilter, build_pipeline, content_filter_result, pipeline_for
 from .webhook import WebhookHook
+from .plugin import TenantFilters
 
 for _cls in (BlocklistHook, PIIHook, WebhookHook):
     register_hook_type(_cls)
@@ -34,5 +37,5 @@ __all__ = [
     "BlocklistHook", "PIIHook", "WebhookHook",
     "FilterConfig", "HookSpec", "FilterPipeline", "OutputFilter",
     "parse_config", "build_pipeline", "pipeline_for", "register_hook_type", "content_filter_result",
-    "find_pii", "luhn_ok",
+    "find_pii", "luhn_ok", "TenantFilters",
 ]

@@ -16,6 +16,7 @@ Where the gateway calls it (see docs/filters.md):
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -80,6 +81,18 @@ class OutputFilter:
         if not self._scanners:
             return self._emit(self._pending)
         return await self._run(final=False)
+
+    async def step(self, text: str, final: bool) -> str:
+        """``feed(text)`` and, when ``final`` (the choice finished normally), ``flush()``; joined.
+
+        One call per backend output is all a generation loop needs; afterwards check ``.cut``: if it
+        is True, finish the choice with ``finish_reason = "content_filter"`` (overriding "stop" /
+        "length") and stop generating for it.
+        """
+        out = await self.feed(text) if text else ""
+        if final and not self.cut:
+            out += await self.flush()
+        return out
 
     async def flush(self) -> str:
         """The stream ended normally: check and return everything still held back."""
@@ -225,17 +238,20 @@ def pipeline_for(obj: Any) -> FilterPipeline:
         return NO_FILTERS
     if isinstance(obj, FilterConfig):
         cfg = obj
+        key = cfg.cache_key()
     else:
+        try:  # fast path: the stored JSON as given (no re-validation per request)
+            key = "raw:" + json.dumps(obj, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError):
+            key = None
+        p = _CACHE.get(key) if key is not None else None
+        if p is not None:
+            _CACHE.move_to_end(key)
+            return p
         cfg = parse_config(obj)
-    if not cfg.enabled:
-        return NO_FILTERS
-    key = cfg.cache_key()
-    p = _CACHE.get(key)
-    if p is None:
-        p = build_pipeline(cfg)
+    p = build_pipeline(cfg) if cfg.enabled else NO_FILTERS
+    if key is not None:
         _CACHE[key] = p
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
     return p
