@@ -1,0 +1,416 @@
+"""The Starlette app: OpenAI-compatible routes, health probes, admin stats, error rendering.
+
+Routes:
+    POST /v1/chat/completions, POST /v1/completions   (stream or not; see docs/gateway.md)
+    GET  /v1/models                                   model card (context length, quantization, device...)
+    GET  /healthz                                     200 while the process runs
+    GET  /readyz                                      200 when a backend is ready and we are not draining, else 503
+    GET  /admin/v1/stats                              engine counters (Bearer admin key)
+
+Request handling order (each step's failure is an OpenAI error object):
+auth (tenancy, when configured) -> body (413 over ``max_body_bytes``,
+chunked bodies included, counted while reading) -> JSON/types (400) ->
+model (404) -> ranges (400, ``param`` named) -> template + tokenize (400) ->
+context length (400 ``context_length_exceeded``) -> the ``CallResponse``
+producer: admission (429), backend pick (503), generation.
+
+Errors are rendered from ``gateway.errors`` (``APIError.body()``, status, headers);
+unknown routes are 404 and wrong methods 405, in the same shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend.protocol import SamplingParams
+from gateway.errors import (
+    APIError,
+    AuthenticationError,
+    ContextLengthExceeded,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    ServiceUnavailable,
+)
+from gateway.generation import Generation
+from gateway.schemas import (
+    MAX_COMPLETION_LOGPROBS,
+    MAX_TOP_LOGPROBS,
+    decode_chat,
+    decode_completion,
+    seed_to_backend,
+    validate_common,
+)
+from gateway.stops import normalize_stop
+from gateway.streaming import CallResponse
+
+log = logging.getLogger("gateway")
+
+
+class GatewayConfig(msgspec.Struct, kw_only=True):
+    """Tunables of the HTTP side (CLI flags of ``python -m gateway serve``)."""
+
+    max_body_bytes: int = 4 * 1024 * 1024  # bytes
+    heartbeat_s: float = 5.0  # seconds between ": ping" comments while no token arrives
+    backend_wait_s: float = 30.0  # seconds a new request waits for a (re)starting backend before 503
+    admin_key: str | None = None
+    served_model_names: list[str] = []  # extra names accepted in "model"
+
+
+class Gateway:
+    """Process-wide state, read-only for handlers: config, backend pool, tokenizer/template, plug-ins."""
+
+    def __init__(self, config: GatewayConfig, pool: Any, tokenizer: Any, template: Any, *, tenancy: Any = None,
+                 filters: Any = None, metrics: Any = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.template = template
+        self.tenancy = tenancy
+        self.filters = filters
+        self.metrics = metrics
+        self.started = int(time.time())
+        self._token_str: dict[int, str] = {}
+
+    def token_str(self, tid: int) -> str:
+        """Printable text of one token (its bytes decoded with U+FFFD for partial UTF-8), cached."""
+        s = self._token_str.get(tid)
+        if s is None:
+            s = self.tokenizer.id_to_bytes[tid].decode("utf-8", errors="replace")
+            self._token_str[tid] = s
+        return s
+
+    @property
+    def card(self):
+        card = self.pool.card
+        if card is None:
+            raise ServiceUnavailable("No inference backend is ready yet.")
+        return card
+
+    def model_names(self) -> list[str]:
+        card = self.pool.card
+        names = [card.name] if card is not None else []
+        return names + [n for n in self.config.served_model_names if n not in names]
+
+    def check_model(self, model: str) -> str:
+        """The served name for ``model``. Raises ``NotFound`` (404, param model) for an unknown model."""
+        names = self.model_names()
+        if model in names:
+            return model
+        raise NotFound(f"The model '{model}' does not exist. Available: {', '.join(names)}.", param="model", code="model_not_found")
+
+    async def authenticate(self, request: Request) -> Any:
+        if self.tenancy is None:
+            return None
+        return await self.tenancy.authenticate(request)
+
+    def admission(self, principal: Any, prompt_tokens: int, max_tokens: int) -> Any:
+        if self.tenancy is None or principal is None:
+            return None
+        return self.tenancy.admit(principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+    def check_admin(self, request: Request) -> None:
+        """Bearer admin key check. Raises AuthenticationError (401) / PermissionDenied (403)."""
+        key = self.config.admin_key
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer "):
+            raise AuthenticationError("Missing admin key (Authorization: Bearer <admin key>).")
+        given = auth[7:].strip()
+        if key is None or not hmac.compare_digest(given.encode(), key.encode()):
+            if self.tenancy is not None:
+                raise PermissionDenied("This key may not use admin routes.", code="not_admin")
+            raise AuthenticationError("Incorrect admin key provided.")
+
+
+def _record(request: Request) -> Any:
+    try:
+        from gateway.request_log import SCOPE_KEY
+
+        return request.scope.get(SCOPE_KEY)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, counted while read. Raises ``PayloadTooLarge`` (413) beyond ``limit`` bytes,
+    whether announced by Content-Length or sent chunked."""
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+        raise PayloadTooLarge(f"Request body of {int(cl)} bytes exceeds the limit of {limit} bytes.", code="request_too_large")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        if chunk:
+            parts.append(chunk)
+    return b"".join(parts)
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: int, param: str = "max_tokens") -> int:
+    """Tokens to generate: ``requested``, or what fits in the context when absent.
+
+    Raises:
+        ContextLengthExceeded: the prompt alone fills the context (param ``messages``/``prompt``), or
+            prompt + requested > context (param ``max_tokens``): never clamped (docs/gateway.md).
+    """
+    if prompt_len >= context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, your prompt has {prompt_len} tokens "
+            f"and leaves no room for a completion. Please shorten the prompt.",
+            param="messages" if param != "prompt" else "prompt",
+        )
+    if requested is None:
+        return context_length - prompt_len
+    if prompt_len + requested > context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, you requested {prompt_len + requested} tokens "
+            f"({prompt_len} in the messages, {requested} in the completion). Please reduce the length of the messages or completion.",
+            param="messages",
+        )
+    return requested
+
+
+def _sampling(req: Any, max_tokens: int, *, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    kw: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens,
+        "min_tokens": min(req.min_tokens, max_tokens),
+        "temperature": 1.0 if req.temperature is None else float(req.temperature),
+        "top_p": 1.0 if req.top_p is None else float(req.top_p),
+        "top_k": 0 if req.top_k is None or req.top_k == -1 else int(req.top_k),
+        "min_p": 0.0 if req.min_p is None else float(req.min_p),
+        "presence_penalty": float(req.presence_penalty or 0.0),
+        "frequency_penalty": float(req.frequency_penalty or 0.0),
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        "logit_bias": {int(k): float(v) for k, v in (req.logit_bias or {}).items()},
+        "seed": seed_to_backend(req.seed),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": bool(req.ignore_eos),
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+    }
+    return SamplingParams(**kw)
+
+
+def _tenant_id(principal: Any) -> str:
+    for attr in ("tenant_id", "tenant"):
+        v = getattr(principal, attr, None)
+        if isinstance(v, str):
+            return v
+        if v is not None and isinstance(getattr(v, "id", None), str):
+            return v.id
+    return ""
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+async def chat_completions(request: Request) -> Any:
+    """POST /v1/chat/completions (OpenAI "Create chat completion")."""
+    t0 = time.perf_counter()
+    gw: Gateway = request.app.state.gateway
+    principal = await gw.authenticate(request)
+    body = await read_body(request, gw.config.max_body_bytes)
+    req = decode_chat(body)
+    card = gw.card
+    model = gw.check_model(req.model)
+    if req.max_completion_tokens is not None:
+        if req.max_completion_tokens < 1:
+            raise InvalidRequest("Invalid value for 'max_completion_tokens': must be >= 1.", param="max_completion_tokens", code="invalid_value")
+        req.max_tokens = req.max_completion_tokens
+    validate_common(req, vocab_size=card.vocab_size or gw.tokenizer.vocab_size)
+    stops = normalize_stop(req.stop)
+    top = req.top_logprobs
+    if top is not None:
+        if top < 0 or top > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"Invalid value for 'top_logprobs': {top} (must be between 0 and {MAX_TOP_LOGPROBS}).", param="top_logprobs", code="invalid_value")
+        if top > 0 and not req.logprobs:
+            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs", code="invalid_value")
+    messages = req.messages
+    if gw.filters is not None:
+        messages = await gw.filters.check_prompt(principal, messages)
+    prompt = gw.template.render(messages, add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message)
+    ids = prompt.ids
+    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length)
+    sampling = _sampling(req, max_tokens, logprobs=req.logprobs, top_logprobs=top or 0)
+    rec = _record(request)
+    if rec is not None:
+        rec.model, rec.stream, rec.api = model, req.stream, "openai"
+        rec.tenant = _tenant_id(principal) or None
+    gen = Generation(
+        gw, kind="chat", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
+        include_stop=req.include_stop_str_in_output, logprobs="chat" if req.logprobs else None,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n),
+        record=rec, t_arrival=t0,
+    )
+    return CallResponse(gen.stream if req.stream else gen.complete)
+
+
+async def completions(request: Request) -> Any:
+    """POST /v1/completions (OpenAI legacy "Create completion"): one raw prompt, no chat template."""
+    t0 = time.perf_counter()
+    gw: Gateway = request.app.state.gateway
+    principal = await gw.authenticate(request)
+    body = await read_body(request, gw.config.max_body_bytes)
+    req = decode_completion(body)
+    card = gw.card
+    model = gw.check_model(req.model)
+    validate_common(req, vocab_size=card.vocab_size or gw.tokenizer.vocab_size)
+    stops = normalize_stop(req.stop)
+    if req.echo:
+        raise InvalidRequest("'echo' is not supported.", param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise InvalidRequest("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
+    lp = req.logprobs
+    if lp is not None and (lp < 0 or lp > MAX_COMPLETION_LOGPROBS):
+        raise InvalidRequest(f"Invalid value for 'logprobs': {lp} (must be between 0 and {MAX_COMPLETION_LOGPROBS}).", param="logprobs", code="invalid_value")
+    p = req.prompt
+    if isinstance(p, str):
+        ids = gw.tokenizer.encode_plain(p)
+    elif p and all(isinstance(x, int) for x in p):
+        ids = list(p)  # type: ignore[arg-type]
+        vocab = card.vocab_size or gw.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequest("'prompt' holds a token id outside the vocabulary.", param="prompt", code="invalid_value")
+    elif isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        ids = gw.tokenizer.encode_plain(p[0])
+    else:
+        raise InvalidRequest("'prompt' must be one string, a one-string array, or an array of token ids (batches are not supported).", param="prompt", code="invalid_value")
+    if not ids:
+        raise InvalidRequest("'prompt' is empty.", param="prompt", code="invalid_value")
+    max_tokens = resolve_max_tokens(len(ids), 16 if req.max_tokens is None else req.max_tokens, card.context_length, param="prompt")
+    sampling = _sampling(req, max_tokens, logprobs=lp is not None, top_logprobs=lp or 0)
+    rec = _record(request)
+    if rec is not None:
+        rec.model, rec.stream, rec.api = model, req.stream, "openai"
+        rec.tenant = _tenant_id(principal) or None
+    gen = Generation(
+        gw, kind="completion", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
+        include_stop=req.include_stop_str_in_output, logprobs="completion" if lp is not None else None,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n),
+        record=rec, t_arrival=t0,
+    )
+    return CallResponse(gen.stream if req.stream else gen.complete)
+
+
+async def list_models(request: Request) -> Response:
+    """GET /v1/models: the served model with its card (extension members beyond OpenAI's id/object/created/owned_by)."""
+    gw: Gateway = request.app.state.gateway
+    await gw.authenticate(request)
+    card = gw.card
+    data = []
+    for name in gw.model_names():
+        data.append({
+            "id": name, "object": "model", "created": gw.started, "owned_by": "gateway",
+            "context_length": card.context_length, "max_model_len": card.context_length,
+            "quantization": card.quantization, "dtype": card.dtype, "device": card.device,
+            "attention_backend": card.attention_backend, "architecture": card.architecture,
+            "vocab_size": card.vocab_size,
+        })
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    if gw.pool.is_ready():
+        return JSONResponse({"status": "ready"})
+    body = ServiceUnavailable("draining" if gw.pool.draining else "no backend ready").body()
+    return JSONResponse(body, status_code=503)
+
+
+async def admin_stats(request: Request) -> Response:
+    """GET /admin/v1/stats: summed backend ``Stats`` + per-backend supervisor state (Bearer admin key)."""
+    gw: Gateway = request.app.state.gateway
+    gw.check_admin(request)
+    fields = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_queries",
+              "prefix_cache_hits", "preemptions", "aborts", "requests_finished", "prompt_tokens", "generation_tokens", "steps")
+    total: dict[str, Any] = {f: 0 for f in fields}
+    device = attention = None
+    backends = []
+    for sup in gw.pool.supervisors:
+        info = sup.info()
+        c = sup.client
+        if c is not None and c.alive:
+            try:
+                st = await c.get_stats()
+                for f in fields:
+                    total[f] += getattr(st, f)
+                device = device or st.device
+                attention = attention or st.attention_backend
+                info["stats"] = msgspec.to_builtins(st)
+            except APIError as exc:
+                info["error"] = exc.message
+        backends.append(info)
+    if device is None and gw.pool.card is not None:
+        device, attention = gw.pool.card.device, gw.pool.card.attention_backend
+    total.update(device=device, attention_backend=attention, backends=backends, draining=gw.pool.draining)
+    return JSONResponse(total)
+
+
+# ----------------------------------------------------------------------------- error rendering
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    rec = _record(request)
+    if rec is not None:
+        try:
+            rec.set_error(exc.type, exc.code)
+        except Exception:  # noqa: BLE001
+            pass
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err: APIError = NotFound(f"Unknown route: {request.method} {request.url.path}", code="unknown_route")
+    else:
+        err = APIError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
+    return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}) or None)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    err = InternalError("The server had an error while processing your request.")
+    return JSONResponse(err.body(), status_code=500)
+
+
+def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list | None = None) -> Starlette:
+    """The Starlette app for ``gw`` (``app.state.gateway``). ``extra_routes`` (e.g. tenancy admin routes) are appended."""
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/admin/v1/stats", admin_stats, methods=["GET"]),
+        *(extra_routes or []),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.gateway = gw
+    return app

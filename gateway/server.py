@@ -1,0 +1,170 @@
+"""``python -m gateway serve``: start (or connect to) backends, then serve HTTP with hypercorn's Trio worker.
+
+Lifecycle:
+1. Backends: without ``--backend-url`` one ``python -m backend --model PATH --listen unix:SOCK`` is spawned
+   (socket in a temp dir; unknown CLI options and ``--dtype`` are passed through); with one or more
+   ``--backend-url`` the gateway connects to them. The gateway waits for the first ``Ready``.
+2. Text: tokenizer + chat template loaded from ``--tokenizer``, else ``--model``, else the backend's
+   ``ModelCard.model_path``.
+3. HTTP: ``hypercorn.trio.serve`` on ``--host``/``--port``; a curl example is printed when ready.
+4. SIGINT/SIGTERM: stop admitting (new requests 503, /readyz 503), hypercorn stops accepting and waits up to
+   ``--drain-timeout`` seconds for in-flight requests, then backends get ``Shutdown`` (bounded wait, then
+   SIGKILL). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from functools import partial
+from typing import Any
+
+import trio
+
+from gateway.app import Gateway, GatewayConfig, build_app
+from gateway.backend_client import DEFAULT_REQUEST_BUFFER
+from gateway.supervisor import BackendPool, BackendSupervisor, SpawnSpec
+
+log = logging.getLogger("gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="OpenAI-compatible LLM gateway")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve the HTTP API (unknown options are passed to the spawned backend)")
+    s.add_argument("--model", help="model path (GGUF file or HF dir); default: the default model")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--backend-url", action="append", default=[], metavar="URL",
+                   help="unix:PATH or tcp://HOST:PORT of a running backend (repeatable); no backend is spawned")
+    s.add_argument("--backends", type=int, default=1, help="backend processes to spawn (without --backend-url)")
+    s.add_argument("--admin-key", default=os.environ.get("GATEWAY_ADMIN_KEY"), help="admin bearer key (env GATEWAY_ADMIN_KEY)")
+    s.add_argument("--db", default=None, help="tenancy database path (SQLite)")
+    s.add_argument("--redis-url", default=None, help="Redis URL for shared rate limits")
+    s.add_argument("--dtype", default=None, help="backend compute dtype (passed through)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer/template source (default: the model)")
+    s.add_argument("--served-model-name", action="append", default=[], help="extra accepted model name (repeatable)")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    s.add_argument("--sse-heartbeat", type=float, default=5.0, help="seconds between ': ping' comments while waiting")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
+    s.add_argument("--backend-wait", type=float, default=30.0, help="seconds a request waits for a restarting backend")
+    s.add_argument("--backend-startup-timeout", type=float, default=600.0)
+    s.add_argument("--request-buffer", type=int, default=DEFAULT_REQUEST_BUFFER,
+                   help="backend outputs buffered per request before a slow client is aborted")
+    s.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _optional(name: str) -> Any:
+    """Import an optional module of another area; None if it has not landed."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        if exc.name and name.endswith(exc.name.split(".")[-1]):
+            return None
+        raise
+
+
+async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
+    """Run the gateway until SIGINT/SIGTERM (see module docstring)."""
+    from templating import ChatTemplate, cached_tokenizer
+
+    model = args.model
+    if not args.backend_url and model is None:
+        from backend.model_path import default_model_path
+
+        model = default_model_path()
+    extra = list(passthrough)
+    if args.dtype:
+        extra += ["--dtype", args.dtype]
+    if args.backend_url:
+        sups = [BackendSupervisor(url=u, name=f"backend-{i}", request_buffer=args.request_buffer) for i, u in enumerate(args.backend_url)]
+    else:
+        spec = SpawnSpec(model=model, extra_args=extra, startup_timeout=args.backend_startup_timeout)
+        sups = [BackendSupervisor(spawn=spec, name=f"backend-{i}", request_buffer=args.request_buffer) for i in range(max(1, args.backends))]
+    pool = BackendPool(sups, wait_timeout=args.backend_wait)
+    config = GatewayConfig(max_body_bytes=args.max_body_bytes, heartbeat_s=args.sse_heartbeat, backend_wait_s=args.backend_wait,
+                           admin_key=args.admin_key, served_model_names=list(args.served_model_name))
+
+    async with trio.open_nursery() as nursery:
+        shutdown = trio.Event()
+        nursery.start_soon(_signals, shutdown, pool, nursery.cancel_scope)
+        await nursery.start(pool.run)
+        card = pool.card
+        tok_path = args.tokenizer or model or (card.model_path if card else None)
+        tokenizer = await trio.to_thread.run_sync(cached_tokenizer, tok_path)
+        template = ChatTemplate(tokenizer, card.chat_template if card and card.chat_template else None)
+        gw = Gateway(config, pool, tokenizer, template)
+        app, extra_routes, middleware = await _plugins(gw, args)
+        app = build_app(gw, extra_routes=extra_routes, middleware=middleware)
+        asgi = _wrap(app, gw)
+
+        from hypercorn.config import Config
+        from hypercorn.trio import serve as hyper_serve
+
+        hc = Config()
+        hc.bind = [f"{args.host}:{args.port}"]
+        hc.graceful_timeout = args.drain_timeout
+        hc.accesslog = None
+        hc.errorlog = logging.getLogger("hypercorn.error")
+        hc.keep_alive_timeout = 75
+        done = trio.Event()
+
+        async def http(task_status=trio.TASK_STATUS_IGNORED):
+            try:
+                await hyper_serve(asgi, hc, shutdown_trigger=shutdown.wait, task_status=task_status)
+            finally:
+                done.set()
+
+        bound = await nursery.start(http)
+        base = f"http://{args.host}:{args.port}"
+        name = gw.model_names()[0] if gw.model_names() else "model"
+        print(f"Gateway ready on {base} (model {name!r}, backends: {', '.join(s.url for s in sups)})\n"
+              f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+              flush=True)
+        log.info("listening on %s", bound)
+        await done.wait()
+        log.info("HTTP server stopped; stopping backends")
+        with trio.move_on_after(15):
+            await pool.stop(grace=10.0)
+        nursery.cancel_scope.cancel()
+
+
+async def _plugins(gw: Gateway, args: argparse.Namespace) -> tuple[Any, list, list]:
+    """Wire in other areas' modules when present (tenancy, filters, observability)."""
+    return None, [], []
+
+
+def _wrap(app: Any, gw: Gateway) -> Any:
+    return app
+
+
+async def _signals(shutdown: trio.Event, pool: BackendPool, scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+        async for sig in sigs:
+            if shutdown.is_set():
+                log.warning("second signal: exiting now")
+                scope.cancel()
+                return
+            log.info("signal %s: draining", signal.Signals(sig).name)
+            pool.draining = True
+            shutdown.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.cmd == "serve":
+        if args.backend_url and rest:
+            parser.error(f"unrecognized arguments (nothing to pass them to with --backend-url): {' '.join(rest)}")
+        trio.run(partial(serve, args, rest))
+        return 0
+    return 2

@@ -1,0 +1,142 @@
+"""ASGI plumbing for generation responses: disconnect watching, SSE framing, late status choice.
+
+``CallResponse(produce)`` is a Starlette-compatible response whose ``__call__``
+runs ``produce(writer)`` next to a task that waits for ``http.disconnect``:
+when the client goes away the producer is cancelled, so its ``with
+handle:`` block exits and the backend request is aborted within one engine
+step (CASES C25). The producer decides the status late: until it sends the
+first SSE event it can still answer with a plain JSON error and a 4xx/5xx
+status (C23, C24); afterwards an error is one ``data: {"error": ...}`` event,
+then ``data: [DONE]``, then the response ends (C24).
+
+SSE framing follows the WHATWG HTML spec, "Server-sent events"
+(https://html.spec.whatwg.org/multipage/server-sent-events.html): ``data:``
+lines, a blank line per event, ``:``-comments as heartbeats. Each event is
+one ASGI ``http.response.body`` message, which hypercorn writes (flushes)
+at once. Headers: ``Cache-Control: no-cache`` and ``X-Accel-Buffering: no``
+(nginx would otherwise buffer the stream, C30).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import trio
+
+from gateway.errors import APIError
+
+SSE_HEADERS: list[tuple[bytes, bytes]] = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+DONE = b"data: [DONE]\n\n"
+PING = b": ping\n\n"
+
+_json = msgspec.json.Encoder()
+
+
+def _hdrs(headers: dict[str, str] | None) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in (headers or {}).items()]
+
+
+class ResponseWriter:
+    """What a producer uses to answer: ``json`` (once, before any event) or SSE ``start``/``event``/``done``."""
+
+    __slots__ = ("_send", "started", "finished", "status")
+
+    def __init__(self, send: Callable[[dict], Awaitable[None]]) -> None:
+        self._send = send
+        self.started = False  # response headers sent
+        self.finished = False
+        self.status: int | None = None
+
+    async def json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        """Send a complete JSON response (``body`` is bytes or a msgspec-encodable object)."""
+        data = body if isinstance(body, (bytes, bytearray)) else _json.encode(body)
+        self.started = True
+        self.status = status
+        hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())] + _hdrs(headers)
+        await self._send({"type": "http.response.start", "status": status, "headers": hdrs})
+        await self._send({"type": "http.response.body", "body": bytes(data), "more_body": False})
+        self.finished = True
+
+    async def error(self, exc: APIError) -> None:
+        """Report ``exc``: a JSON error response if nothing was sent yet, else an SSE error event + [DONE]."""
+        if self.finished:
+            return
+        if not self.started:
+            await self.json(exc.status, exc.body(), exc.headers)
+        else:
+            await self.event(_json.encode(exc.body()))
+            await self.done()
+
+    async def start(self, headers: dict[str, str] | None = None) -> None:
+        """Send 200 + SSE headers (idempotent)."""
+        if self.started:
+            return
+        self.started = True
+        self.status = 200
+        await self._send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + _hdrs(headers)})
+
+    async def event(self, data: bytes) -> None:
+        """Send one ``data:`` event (``data`` is the JSON payload, no newlines)."""
+        await self._send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
+
+    async def raw(self, data: bytes) -> None:
+        """Send pre-framed SSE bytes (several events at once, or a comment)."""
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def ping(self) -> None:
+        """Heartbeat comment (ignored by SSE parsers; keeps proxies and clients from timing out)."""
+        await self._send({"type": "http.response.body", "body": PING, "more_body": True})
+
+    async def done(self) -> None:
+        """``data: [DONE]`` and end of the response body."""
+        if self.finished:
+            return
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+
+class CallResponse:
+    """ASGI response running ``produce(writer)``; cancelled when the client disconnects.
+
+    ``produce`` must answer through the writer. An ``APIError`` escaping it is reported by
+    ``writer.error``; any other exception becomes a 500 (or an error event mid-stream).
+    """
+
+    def __init__(self, produce: Callable[[ResponseWriter], Awaitable[None]]) -> None:
+        self.produce = produce
+        self.disconnected = False
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        writer = ResponseWriter(send)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch, receive, nursery.cancel_scope)
+            try:
+                await self.produce(writer)
+            except APIError as exc:
+                await writer.error(exc)
+            except Exception:  # noqa: BLE001 - never leave a client hanging
+                import logging
+
+                logging.getLogger("gateway").exception("generation failed")
+                from gateway.errors import InternalError
+
+                await writer.error(InternalError("The server had an error while processing your request."))
+            finally:
+                nursery.cancel_scope.cancel()
+        if not writer.finished and not self.disconnected:
+            # produce() returned without answering: close the response properly
+            if writer.started:
+                await writer.done()
+
+    async def _watch(self, receive: Callable, scope: trio.CancelScope) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected = True
+                scope.cancel()
+                return
