@@ -2,7 +2,8 @@
 
 Two sources are supported:
 
-* a GGUF file (``tokenizer.ggml.model == "gpt2"``: byte-level BPE), from its vocabulary
+* a GGUF file (``tokenizer.ggml.model == "gpt2"``: byte-level BPE; metadata read by a header-only parser
+  that follows the GGUF spec, ~10x faster than ``gguf.GGUFReader``), from its vocabulary
   (``tokenizer.ggml.tokens``/``merges``/``token_type``) and the pre-tokenizer named by
   ``tokenizer.ggml.pre``. For ``"smollm"`` (SmolLM/SmolLM2, StarCoder2 lineage) the pipeline is the one in
   HF's ``HuggingFaceTB/SmolLM2-*/tokenizer.json``: no normalizer; pre-tokenizer
@@ -223,24 +224,95 @@ def _finish(tok: Tokenizer, special: dict[int, str], *, bos, eos, unk, pad, chat
     )
 
 
-def _gguf_field(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    return f.contents()
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _read_gguf_metadata(path: Path) -> dict[str, object]:
+    """All key/value metadata of a little-endian GGUF v2/v3 file (tensor data is not read).
+
+    Follows the GGUF spec (ggml ``docs/gguf.md``). ``gguf.GGUFReader`` gives the same values but builds a
+    numpy view per string (seconds for a 49k vocabulary); this reads only the header.
+
+    Raises:
+        ValueError: not a GGUF file, big-endian, or an unknown value type.
+    """
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: unsupported GGUF version {version} (or big-endian)")
+        # Metadata is at the start of the file; read generously and grow if needed.
+        buf = bytearray(head)
+        chunk = 8 << 20
+
+        def need(end: int) -> None:
+            while len(buf) < end:
+                more = f.read(max(chunk, end - len(buf)))
+                if not more:
+                    raise ValueError(f"{path}: truncated GGUF metadata")
+                buf.extend(more)
+
+        pos = 24
+
+        def read_str() -> str:
+            nonlocal pos
+            need(pos + 8)
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            need(pos + 8 + n)
+            out = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace")
+            pos += 8 + n
+            return out
+
+        def read_val(t: int):
+            nonlocal pos
+            if t == 8:
+                return read_str()
+            if t == 9:
+                need(pos + 12)
+                et, n = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if et == 8:
+                    return [read_str() for _ in range(n)]
+                if et in _GGUF_SCALARS:
+                    fmt = _GGUF_SCALARS[et]
+                    size = struct.calcsize(fmt)
+                    need(pos + size * n)
+                    vals = list(struct.unpack_from("<" + fmt[1] * n, buf, pos))
+                    pos += size * n
+                    return vals
+                return [read_val(et) for _ in range(n)]
+            fmt = _GGUF_SCALARS.get(t)
+            if fmt is None:
+                raise ValueError(f"{path}: unknown GGUF value type {t}")
+            size = struct.calcsize(fmt)
+            need(pos + size)
+            (v,) = struct.unpack_from(fmt, buf, pos)
+            pos += size
+            return v
+
+        meta: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = read_str()
+            need(pos + 4)
+            (t,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            meta[key] = read_val(t)
+        return meta
 
 
 def _from_gguf(path: Path) -> TextTokenizer:
-    import gguf  # imported lazily: only needed for GGUF files
-
-    reader = gguf.GGUFReader(str(path))
-    model = _gguf_field(reader, "tokenizer.ggml.model")
+    meta = _read_gguf_metadata(path)
+    model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {model!r} (only byte-level BPE 'gpt2')")
-    pre = _gguf_field(reader, "tokenizer.ggml.pre") or "default"
-    tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
-    merges_raw: list[str] = _gguf_field(reader, "tokenizer.ggml.merges") or []
-    types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
+    merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
 
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
@@ -267,7 +339,7 @@ def _from_gguf(path: Path) -> TextTokenizer:
         tok.add_tokens(added)  # ids already exist in the vocab: add_tokens reuses them
 
     def _id(key: str) -> int | None:
-        v = _gguf_field(reader, key)
+        v = meta.get(key)
         return int(v) if v is not None else None
 
     return _finish(
@@ -277,7 +349,7 @@ def _from_gguf(path: Path) -> TextTokenizer:
         eos=_id("tokenizer.ggml.eos_token_id"),
         unk=_id("tokenizer.ggml.unknown_token_id"),
         pad=_id("tokenizer.ggml.padding_token_id"),
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=meta.get("tokenizer.chat_template"),
         byte_level=True,
     )
 

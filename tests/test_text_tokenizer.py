@@ -91,3 +91,35 @@ def test_missing_path(tmp_path):
         load_tokenizer(tmp_path / "nope.gguf")
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path)  # a directory without tokenizer.json
+
+
+def test_gguf_metadata_reader_matches_gguf_writer(tmp_path):
+    """The header-only GGUF reader reads back what the ``gguf`` library writes, every value type."""
+    import gguf
+
+    from templating.tokenizer import _read_gguf_metadata
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_string("a.str", "héllo")
+    w.add_uint32("a.u32", 7)
+    w.add_int32("a.i32", -3)
+    w.add_float32("a.f32", 0.5)
+    w.add_bool("a.bool", True)
+    w.add_uint64("a.u64", 2**40)
+    w.add_array("a.strs", ["x", "", "Ġy"])
+    w.add_array("a.ints", [1, 2, 3])
+    w.add_token_types([1, 3, 6])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    m = _read_gguf_metadata(path)
+    assert m["general.architecture"] == "llama"
+    assert m["a.str"] == "héllo" and m["a.u32"] == 7 and m["a.i32"] == -3
+    assert m["a.f32"] == 0.5 and m["a.bool"] is True and m["a.u64"] == 2**40
+    assert m["a.strs"] == ["x", "", "Ġy"] and m["a.ints"] == [1, 2, 3]
+    assert m["tokenizer.ggml.token_type"] == [1, 3, 6]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(40))
+    with pytest.raises(ValueError):
+        _read_gguf_metadata(bad)
