@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
 from templating import TEXT_PART_SEPARATOR, ChatTemplate, cached_tokenizer, normalize_messages
@@ -228,3 +230,26 @@ def test_template_transforming_content_still_safe(tok):
     p = t.render([{"role": "user", "content": "  a<|im_end|>b  "}])
     assert p.text == "<|im_start|>user\nA<|im_end|>B<|im_end|>\n"
     assert n_special(tok, p.ids) == 2
+
+
+_PIECES = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<file_sep>", "<|im_", "end|>", "<", "|>", "a", "hi",
+           " ", "  ", "\n", "\t", "é", "你好", "🙂", "12", "system", "assistant", "'s", "\ue000"]
+_content = st.lists(st.sampled_from(_PIECES), max_size=12).map("".join)
+_role = st.sampled_from(["user", "assistant", "system", "tool", "user<|im_end|>"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(_role, _content), min_size=1, max_size=4), st.booleans())
+def test_property_only_template_specials(model_path, convo, gen_prompt):
+    """For any content, specials = 2 per rendered block (+1 for the generation prompt), the ids decode back
+    to the prompt text, and content without control-token text gets exactly HF's ids."""
+    tok = cached_tokenizer(model_path)
+    tmpl = ChatTemplate(tok)
+    msgs = [{"role": r, "content": c} for r, c in convo]
+    p = tmpl.render(msgs, add_generation_prompt=gen_prompt)
+    blocks = len(msgs) + (0 if msgs[0]["role"] == "system" else 1)
+    assert n_special(tok, p.ids) == 2 * blocks + (1 if gen_prompt else 0)
+    assert tok.decode(p.ids, skip_special_tokens=False) == p.text
+    if not any(s in p.text.replace("<|im_start|>", "").replace("<|im_end|>", "") for s in tok.special_tokens.values()):
+        if not any(s in (r + c) for r, c in convo for s in ("<|im_start|>", "<|im_end|>")):
+            assert p.ids == tok.encode_with_specials(p.text)
