@@ -41,9 +41,10 @@ import trio
 from auth.keys import digest_equal, hash_key
 from auth.ledger import UsageLedger
 from auth.store import AsyncStore, KeyRecord, Store, TenantRecord, utc_day
-from gateway.errors import APIError, AuthenticationError, PermissionDenied, RateLimited
+from gateway.errors import APIError, AuthenticationError, PermissionDenied, RateLimited, ServiceUnavailable
 from ratelimit.core import Dim, DimResult, Limits, build_dims, headers_for
 from ratelimit.local import LocalLimiter
+from ratelimit.resp import RedisError
 
 log = logging.getLogger("gateway.tenancy")
 
@@ -378,6 +379,9 @@ class Tenancy:
         disabled or deleted tenant. The key never appears in a message or a log line.
         """
         scope = _scope_of(request)
+        state = scope.get("state")
+        if isinstance(state, dict) and isinstance(state.get("principal"), Principal) and state.get("_tenancy") is self:
+            return state["principal"]  # TenancyMiddleware already authenticated this very request
         if query_has_key(scope):
             raise AuthenticationError("API keys are not accepted in the query string; use the Authorization: "
                                       "Bearer header.", headers={"www-authenticate": "Bearer"})
@@ -465,8 +469,19 @@ class Tenancy:
         if dims:
             if any(d.kind == "daily" for d in dims):
                 await self._seed_daily(dims, day)
-            # in-process: no checkpoint between check and reserve (atomic under Trio); Redis: one Lua script
-            outcome = await self.limiter.acquire(dims, member)
+            # in-process: no checkpoint between check and reserve (atomic under Trio); Redis: one Lua script,
+            # shielded so that a cancellation cannot lose a reservation made on the server
+            if self.limiter.shared:
+                try:
+                    with trio.CancelScope(shield=True):
+                        with trio.fail_after(5):
+                            outcome = await self.limiter.acquire(dims, member)
+                except (OSError, RedisError, trio.TooSlowError) as e:
+                    log.error("tenancy: rate-limit store unavailable: %s", type(e).__name__)
+                    raise ServiceUnavailable("The rate limiter is unavailable; try again shortly.",
+                                             code="rate_limiter_unavailable", headers={"retry-after": "1"}) from None
+            else:
+                outcome = self.limiter.acquire_now(dims, member)
             if not outcome.ok:
                 raise self._rate_limited(principal, outcome.results, tokens)
             results = outcome.results
@@ -588,7 +603,27 @@ class TenancyMiddleware:
         self.public_prefixes = tuple(public_prefixes)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            # same rules; a refused handshake is closed with 1008 (policy violation) before accept
+            if query_has_key(scope):
+                redact_query(scope)
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            kind = classify_path(scope.get("path", "/"), "GET", public_paths=self.public_paths,
+                                 public_prefixes=self.public_prefixes)
+            try:
+                if kind == "admin":
+                    await self.tenancy.require_admin(scope)
+                elif kind == "tenant":
+                    state = scope.setdefault("state", {})
+                    state["principal"] = await self.tenancy.authenticate(scope)
+                    state["_tenancy"] = self.tenancy
+            except APIError:
+                await send({"type": "websocket.close", "code": 1008})
+                return
             await self.app(scope, receive, send)
             return
         query_key = query_has_key(scope)
@@ -604,7 +639,9 @@ class TenancyMiddleware:
                 await self.tenancy.require_admin(scope)
                 scope.setdefault("state", {})["admin"] = True
             elif kind == "tenant":
-                scope.setdefault("state", {})["principal"] = await self.tenancy.authenticate(scope)
+                state = scope.setdefault("state", {})
+                state["principal"] = await self.tenancy.authenticate(scope)
+                state["_tenancy"] = self.tenancy
         except APIError as e:
             await send_error(send, e)
             return

@@ -187,3 +187,32 @@ async def test_two_processes_share_the_limits(tmp_path, redis_url):
     assert sum(r["rpm"] for r in results) == 10
     assert sum(r["tpm"] for r in results) == 10  # 100 tokens each, tpm 1000
     assert sum(r["conc"] for r in results) == 4
+
+
+async def test_redis_down_is_503_not_a_hang(tmp_path):
+    from gateway.errors import ServiceUnavailable
+
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                await trio.sleep(0.05)
+        async with Tenancy.open(str(tmp_path / "g.db"), redis_url=f"redis://127.0.0.1:{port}",
+                                announce=lambda s: None) as t:
+            p = await t.authenticate(scope_for(await new_key(t, rpm=5)))
+            async with t.admit(p, prompt_tokens=1, max_tokens=1):
+                pass
+            proc.terminate()
+            proc.wait(5)
+            with trio.fail_after(10):
+                with pytest.raises(ServiceUnavailable):
+                    async with t.admit(p, prompt_tokens=1, max_tokens=1):
+                        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
