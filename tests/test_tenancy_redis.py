@@ -216,3 +216,55 @@ async def test_redis_down_is_503_not_a_hang(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ratelimit.core import Dim
+from ratelimit.local import LocalLimiter
+from ratelimit.redis_limiter import RedisLimiter
+
+OPS = st.lists(st.tuples(st.sampled_from(["acq", "rel"]), st.integers(0, 60), st.integers(-10, 40)), min_size=1, max_size=40)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, limits=st.tuples(st.integers(0, 8), st.integers(0, 120), st.integers(0, 4), st.integers(0, 150)))
+def test_redis_script_matches_local_model(redis_url, ops, limits):
+    """Same operations, same outcomes: the Lua script and the in-process limiter implement one model
+    (window 1e6 s so the refill during a test is negligible)."""
+    rpm, tpm, conc, daily = limits
+    tag = os.urandom(6).hex()
+
+    def dims(cost):
+        return [Dim(f"{tag}:rpm", "bucket", "requests", rpm, 1, 1e6), Dim(f"{tag}:tpm", "bucket", "tokens", tpm, cost, 1e6),
+                Dim(f"{tag}:conc", "conc", "concurrent", conc, 1), Dim(f"{tag}:day", "daily", "daily_tokens", daily, cost,
+                                                                        ttl_s=1000.0, seed=5)]
+
+    async def main():
+        local, remote = LocalLimiter(), RedisLimiter(redis_url)
+        held: list[tuple[str, int]] = []
+        try:
+            for i, (op, cost, used) in enumerate(ops):
+                if op == "acq":
+                    a = local.acquire_now(dims(cost), f"m{i}")
+                    b = await remote.acquire(dims(cost), f"m{i}")
+                    assert a.ok == b.ok, (i, a, b)
+                    assert [r.ok for r in a.results] == [r.ok for r in b.results]
+                    for ra, rb in zip(a.results, b.results):
+                        assert abs(ra.remaining - rb.remaining) < 0.01, (ra, rb)
+                    if a.ok:
+                        held.append((f"m{i}", cost))
+                elif held:
+                    m, c = held.pop(0)
+                    refund = max(-c, c - used) if used >= 0 else 0
+                    ds = dims(c)
+                    refunds = {ds[1].key: refund, ds[3].key: refund}
+                    ra = local.release_now(ds, m, refunds)
+                    rb = await remote.release(ds, m, refunds)
+                    for x, y in zip(ra, rb):
+                        assert abs(x.remaining - y.remaining) < 0.01, (x, y)
+        finally:
+            await remote.aclose()
+
+    trio.run(main)
