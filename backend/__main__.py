@@ -1,0 +1,103 @@
+"""``python -m backend``: run one backend process (one model on one device).
+
+Usage::
+
+    python -m backend --model PATH --listen unix:PATH|tcp://HOST:PORT
+        [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+        [--attention-backend torch|cupy]
+        [--kv-cache-memory BYTES | --num-kv-blocks N] [--block-size 16]
+        [--max-num-seqs N] [--max-num-batched-tokens N]
+        [--long-prefill-token-threshold N] [--no-prefix-caching]
+
+Prints one readiness line to stderr (``backend ready: listening on ...``)
+once the model is loaded and the socket listens. Exits 0 on Shutdown or
+SIGTERM/SIGINT, 2 on bad arguments, 1 when the model cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bytes(s: str) -> int:
+    """``123``, ``256MiB``, ``2GiB``, ``1G`` -> bytes."""
+    s = s.strip()
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    low = s.lower().rstrip("b").rstrip("i")
+    if low and low[-1] in units:
+        return int(float(low[:-1]) * units[low[-1]])
+    return int(s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m backend", description="LLM inference backend (token-in, token-out).")
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--listen", required=True, help="unix:PATH or tcp://HOST:PORT")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--attention-backend", default="torch", choices=["torch", "cupy"])
+    kv = ap.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES", help="KV pool budget (e.g. 256MiB)")
+    kv.add_argument("--num-kv-blocks", type=int, default=None, metavar="N")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from backend.server import Server, install_signal_handlers, parse_listen
+
+    try:
+        parse_listen(args.listen)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        print("error: --max-num-batched-tokens must be >= --max-num-seqs", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from backend.engine import Engine
+    from backend.model_runner import ModelRunner
+
+    model = args.model
+    if model is None:
+        from backend.model_path import default_model_path
+
+        model = default_model_path()
+    try:
+        runner = ModelRunner(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_memory,
+            num_kv_blocks=args.num_kv_blocks,
+        )
+    except Exception as exc:
+        print(f"error: cannot load model {model}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    engine = Engine(
+        runner,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
+    server = Server(engine, args.listen)
+    install_signal_handlers(server)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,525 @@
+"""The engine: validates requests, runs scheduler -> model -> sampler steps, builds outputs.
+
+``Engine`` is single-threaded by design: whoever calls its methods (the
+server's busy loop, a test, the benchmark) owns all its state. One ``step()``
+plans a batch (``Scheduler``), executes it (``ModelRunner.execute``), samples
+one token for every chunk that reached the end of its sequence
+(``sampling.sample``), forks ``n > 1`` requests after their prompt, and
+returns the step's ``RequestOutput`` messages (plus ``RequestError`` for
+requests that failed inside the step).
+
+Request lifecycle: ``add_request`` (validation; a bad request gets a
+``RequestError`` and is never scheduled) -> waiting -> running (possibly
+preempted and recomputed) -> finished with ``finish_reason`` "stop" (EOS or a
+stop id; ``stop_token_id`` set, the token is not in ``new_token_ids`` but is
+counted in ``completion_tokens``), "length" (``max_tokens``), "abort"
+(``abort_request``) or an error.
+
+Source followed: nano-vllm ``LLMEngine``; vLLM v1 ``EngineCore`` (busy loop
+owning all state, outputs batched per step).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import traceback
+from typing import Any, Hashable, Union
+
+from backend.batch import SeqChunk
+from backend.block_manager import BlockManager
+from backend.protocol import (
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Stats,
+    Submit,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from backend.sampling import MAX_TOP_LOGPROBS, ChoiceState, sample
+from backend.scheduler import Scheduler, SchedulerOutput
+from backend.sequence import Sequence, SeqStatus
+
+Message = Union[RequestOutput, RequestError]
+
+
+class EngineRequest:
+    """Engine-side state of one request (all its choices)."""
+
+    __slots__ = (
+        "request_id",
+        "owner",
+        "params",
+        "prompt_len",
+        "seqs",
+        "states",
+        "done",
+        "arrival",
+        "first_scheduled",
+        "first_token",
+        "cached_tokens",
+        "stop_set",
+    )
+
+    def __init__(self, submit: Submit, owner: Hashable, states: list[ChoiceState], stop_set: frozenset[int]) -> None:
+        self.request_id = submit.request_id
+        self.owner = owner
+        self.params = submit.sampling
+        self.prompt_len = len(submit.prompt_ids)
+        self.seqs: list[Sequence | None] = [None] * submit.sampling.n
+        self.states = states
+        self.done = [False] * submit.sampling.n
+        self.arrival = time.monotonic()
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.cached_tokens = 0
+        self.stop_set = stop_set
+
+
+class Engine:
+    """Continuous-batching engine over one ``ModelRunner``.
+
+    Args:
+        runner: a ``backend.model_runner.ModelRunner`` (``execute``, ``card``,
+            ``num_kv_blocks``, ``block_size``, ``vocab_size``).
+        max_num_seqs: most running sequences per step.
+        max_num_batched_tokens: token budget per step (tokens); must be >= max_num_seqs.
+        enable_prefix_caching: automatic prefix caching on/off.
+        long_prefill_token_threshold: see ``Scheduler``.
+        num_kv_blocks: use only this many of the runner's KV blocks (tests: a tiny pool
+            without reloading the model); default all.
+
+    Raises:
+        ValueError: inconsistent limits.
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int | None = None,
+        num_kv_blocks: int | None = None,
+    ) -> None:
+        if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:
+            raise ValueError(f"num_kv_blocks must be in [1, {runner.num_kv_blocks}]")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        self.runner = runner
+        self.card = runner.card
+        self.vocab_size = int(runner.vocab_size)
+        self.context_length = int(getattr(runner, "max_model_len", None) or self.card.context_length)
+        self.eos_token_ids = list(self.card.eos_token_ids)
+        self.block_manager = BlockManager(num_kv_blocks or runner.num_kv_blocks, runner.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        )
+        self.requests: dict[str, EngineRequest] = {}
+        self.num_steps = 0
+        self.num_aborts = 0
+        self.num_finished = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.step_overhead_s = 0.0  # engine-side time (schedule + prepare + sample + outputs), summed
+        self.model_time_s = 0.0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, submit: Submit) -> RequestError | None:
+        """Check a submit against the model and engine limits; None when it is fine (C18, C23)."""
+        rid = submit.request_id
+
+        def err(code: str, message: str, param: str | None = None) -> RequestError:
+            return RequestError(request_id=rid, code=code, message=message, param=param)
+
+        if not isinstance(rid, str) or not rid:
+            return err("invalid_request_error", "request_id must be a non-empty string", "request_id")
+        if rid in self.requests:
+            return err("invalid_request_error", f"request_id {rid!r} is already in flight", "request_id")
+        V = self.vocab_size
+        ids = submit.prompt_ids
+        if not ids:
+            return err("invalid_request_error", "prompt_ids is empty", "prompt_ids")
+        if min(ids) < 0 or max(ids) >= V:
+            bad = next(t for t in ids if t < 0 or t >= V)
+            return err("invalid_token_id", f"prompt token id {bad} outside [0, {V})", "prompt_ids")
+        p: SamplingParams = submit.sampling
+        if not 1 <= p.n <= self.max_num_seqs:
+            return err("invalid_parameter", f"n must be in [1, {self.max_num_seqs}], got {p.n}", "n")
+        if p.max_tokens < 1:
+            return err("invalid_parameter", f"max_tokens must be >= 1, got {p.max_tokens}", "max_tokens")
+        if not 0 <= p.min_tokens <= p.max_tokens:
+            return err("invalid_parameter", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}", "min_tokens")
+
+        def bad_float(v: float, lo: float, hi: float, lo_open: bool = False) -> bool:
+            return not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi)
+
+        if bad_float(p.temperature, 0.0, 100.0):
+            return err("invalid_parameter", f"temperature must be in [0, 100], got {p.temperature}", "temperature")
+        if bad_float(p.top_p, 0.0, 1.0, lo_open=True):
+            return err("invalid_parameter", f"top_p must be in (0, 1], got {p.top_p}", "top_p")
+        if p.top_k < -1:
+            return err("invalid_parameter", f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}", "top_k")
+        if bad_float(p.min_p, 0.0, 1.0):
+            return err("invalid_parameter", f"min_p must be in [0, 1], got {p.min_p}", "min_p")
+        if bad_float(p.presence_penalty, -2.0, 2.0):
+            return err("invalid_parameter", f"presence_penalty must be in [-2, 2], got {p.presence_penalty}", "presence_penalty")
+        if bad_float(p.frequency_penalty, -2.0, 2.0):
+            return err("invalid_parameter", f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}", "frequency_penalty")
+        if bad_float(p.repetition_penalty, 0.0, 100.0, lo_open=True):
+            return err("invalid_parameter", f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}", "repetition_penalty")
+        for k, v in p.logit_bias.items():
+            if not 0 <= int(k) < V:
+                return err("invalid_parameter", f"logit_bias token id {k} outside [0, {V})", "logit_bias")
+            if bad_float(float(v), -100.0, 100.0):
+                return err("invalid_parameter", f"logit_bias value {v} for token {k} outside [-100, 100]", "logit_bias")
+        for t in p.stop_token_ids:
+            if not 0 <= t < V:
+                return err("invalid_parameter", f"stop token id {t} outside [0, {V})", "stop_token_ids")
+        if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+            return err("invalid_parameter", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        total = len(ids) + p.max_tokens
+        if total > self.context_length:
+            return err(
+                "context_length_exceeded",
+                f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = {total} exceeds the context length {self.context_length}",
+                "messages",
+            )
+        bm = self.block_manager
+        if bm.blocks_for(total) > bm.num_blocks:
+            return err(
+                "context_length_exceeded",
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({bm.num_blocks * bm.block_size} tokens)",
+                "messages",
+            )
+        return None
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, submit: Submit, owner: Hashable = None) -> RequestError | None:
+        """Validate and queue a request. Returns the ``RequestError`` when it is refused."""
+        error = self.validate(submit)
+        if error is not None:
+            return error
+        p = submit.sampling
+        eos = [] if p.ignore_eos else self.eos_token_ids
+        states = [ChoiceState(p, i, submit.prompt_ids, self.vocab_size, eos) for i in range(p.n)]
+        stop_set = frozenset(eos) | frozenset(p.stop_token_ids)
+        req = EngineRequest(submit, owner, states, stop_set)
+        seq = Sequence(
+            submit.prompt_ids,
+            cache_salt=submit.cache_salt,
+            max_tokens=p.max_tokens,
+            pending_forks=p.n - 1,
+            request=req,
+            index=0,
+        )
+        seq.sampling_state = states[0]
+        req.seqs[0] = seq
+        self.requests[req.request_id] = req
+        self.num_prompt_tokens += len(submit.prompt_ids)
+        self.scheduler.add(seq)
+        return None
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request at any moment and free everything it holds; unknown ids -> [].
+
+        Returns the final ``finish_reason="abort"`` output of every unfinished choice.
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        self.num_aborts += 1
+        now = time.monotonic()
+        outs = []
+        for i in range(len(req.seqs)):
+            if req.done[i]:
+                continue
+            seq = req.seqs[i]
+            if seq is not None:
+                self.scheduler.finish(seq)
+            req.done[i] = True
+            outs.append(self._final(req, i, "abort", now))
+        return outs
+
+    def abort_owner(self, owner: Hashable) -> int:
+        """Abort every request of ``owner`` (a closed connection). Returns how many."""
+        ids = [rid for rid, r in self.requests.items() if r.owner == owner]
+        for rid in ids:
+            self.abort_request(rid)
+        return len(ids)
+
+    def abort_all(self) -> list[tuple[Hashable, RequestOutput]]:
+        out = []
+        for rid in list(self.requests):
+            owner = self.requests[rid].owner
+            out.extend((owner, o) for o in self.abort_request(rid))
+        return out
+
+    def owner_of(self, request_id: str) -> Hashable:
+        req = self.requests.get(request_id)
+        return None if req is None else req.owner
+
+    # ------------------------------------------------------------------ outputs
+
+    def _timings(self, req: EngineRequest, index: int, now: float) -> Timings:
+        fs = req.first_scheduled if req.first_scheduled is not None else now
+        ft = req.first_token if req.first_token is not None else now
+        seq = req.seqs[index]
+        return Timings(
+            queue=fs - req.arrival,
+            prefill=max(0.0, ft - fs),
+            decode=max(0.0, now - ft),
+            ttft=(ft - req.arrival) if req.first_token is not None else 0.0,
+            preemptions=seq.num_preemptions if seq is not None else 0,
+        )
+
+    def _final(self, req: EngineRequest, index: int, reason: str, now: float, **kw: Any) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            index=index,
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=Usage(
+                prompt_tokens=req.prompt_len,
+                completion_tokens=req.states[index].num_generated,
+                cached_tokens=req.cached_tokens,
+            ),
+            timings=self._timings(req, index, now),
+            **kw,
+        )
+
+    def _finish_choice(self, req: EngineRequest, index: int) -> None:
+        seq = req.seqs[index]
+        if seq is not None:
+            self.scheduler.finish(seq)
+        req.done[index] = True
+        if all(req.done):
+            self.requests.pop(req.request_id, None)
+            self.num_finished += 1
+
+    def _fail(self, req: EngineRequest, message: str) -> RequestError:
+        for i, seq in enumerate(req.seqs):
+            if seq is not None:
+                self.scheduler.finish(seq)
+            req.done[i] = True
+        self.requests.pop(req.request_id, None)
+        return RequestError(request_id=req.request_id, code="internal_error", message=message)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[tuple[Hashable, Message]]:
+        """Run one engine step.
+
+        Returns:
+            ``(owner, message)`` pairs: a ``RequestOutput`` per choice that got a token
+            or finished this step, and a ``RequestError`` per request that failed in it.
+            Empty when there was nothing to run.
+        """
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        plan = sched.schedule()
+        if not plan.chunks:
+            return []
+        self.num_steps += 1
+        now = time.monotonic()
+        for seq in plan.admitted:
+            req = seq.request
+            if req.first_scheduled is None:
+                req.first_scheduled = now
+                req.cached_tokens = max(0, seq.num_cached_tokens)
+        chunks = [
+            SeqChunk(
+                token_ids=c.seq.token_ids[c.start : c.start + c.num_tokens],
+                start_pos=c.start,
+                block_table=c.seq.block_table,
+                need_logits=c.need_logits,
+            )
+            for c in plan.chunks
+        ]
+        t1 = time.perf_counter()
+        try:
+            logits = self.runner.execute(chunks)
+        except Exception as exc:  # fail only this step's requests; keep serving
+            traceback.print_exc(file=sys.stderr)
+            return self._fail_plan(plan, f"model step failed: {type(exc).__name__}: {exc}")
+        t2 = time.perf_counter()
+        self.model_time_s += t2 - t1
+        sched.update_after_step(plan)
+        try:
+            out = self._sample_and_output(plan, logits)
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            out = self._fail_plan(plan, f"sampling failed: {type(exc).__name__}: {exc}")
+        self.step_overhead_s += (t1 - t0) + (time.perf_counter() - t2)
+        return out
+
+    def _fail_plan(self, plan: SchedulerOutput, message: str) -> list[tuple[Hashable, Message]]:
+        out: list[tuple[Hashable, Message]] = []
+        seen = set()
+        for c in plan.chunks:
+            req = c.seq.request
+            if req.request_id in seen or req.request_id not in self.requests:
+                continue
+            seen.add(req.request_id)
+            out.append((req.owner, self._fail(req, message)))
+        return out
+
+    def _sample_and_output(self, plan: SchedulerOutput, logits: Any) -> list[tuple[Hashable, Message]]:
+        rows: list[int] = []
+        targets: list[tuple[Sequence, int]] = []  # (sequence or parent, choice index)
+        r = 0
+        for c in plan.chunks:
+            if not c.need_logits:
+                continue
+            seq = c.seq
+            if seq.status is SeqStatus.RUNNING:
+                req: EngineRequest = seq.request
+                if seq.pending_forks and seq.num_generated == 0:
+                    for i in range(len(req.seqs)):
+                        if req.seqs[i] is None or i == seq.index:
+                            rows.append(r)
+                            targets.append((seq, i))
+                else:
+                    rows.append(r)
+                    targets.append((seq, seq.index))
+            r += 1
+        if not targets:
+            return []
+        if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+            batch = logits
+        else:
+            import torch
+
+            batch = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+        states = [s.request.states[i] for s, i in targets]
+        tokens, lps = sample(batch, states)
+
+        # forks: create the children of every parent that just finished its prompt
+        forked: dict[int, list[Sequence]] = {}
+        for (seq, i) in targets:
+            if i != seq.index:
+                req = seq.request
+                child = Sequence(
+                    seq.token_ids[: seq.num_prompt_tokens],
+                    cache_salt=seq.cache_salt,
+                    max_tokens=seq.max_tokens,
+                    request=req,
+                    index=i,
+                )
+                child.sampling_state = req.states[i]
+                child.num_cached_tokens = seq.num_cached_tokens
+                req.seqs[i] = child
+                forked.setdefault(seq.seq_id, [seq]).append(child)
+        for parent, *children in forked.values():
+            self.scheduler.fork(parent, children)
+
+        now = time.monotonic()
+        out: list[tuple[Hashable, Message]] = []
+        for (seq, i), tok, lp in zip(targets, tokens, lps):
+            req = seq.request
+            s = req.seqs[i]
+            assert s is not None
+            state = req.states[i]
+            state.append(tok)
+            self.num_generation_tokens += 1
+            if req.first_token is None:
+                req.first_token = now
+            if tok in req.stop_set:
+                msg = self._final(req, i, "stop", now, stop_token_id=tok)
+                self._finish_choice(req, i)
+            elif state.num_generated >= req.params.max_tokens:
+                msg = self._final(req, i, "length", now, new_token_ids=[tok], logprobs=[lp] if lp else None)
+                self._finish_choice(req, i)
+            else:
+                s.token_ids.append(tok)
+                msg = RequestOutput(
+                    request_id=req.request_id, index=i, new_token_ids=[tok], logprobs=[lp] if lp else None
+                )
+            out.append((req.owner, msg))
+        return out
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, nonce: int = 0) -> Stats:
+        bm = self.block_manager
+        return Stats(
+            nonce=nonce,
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_cached=bm.num_cached_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            preemptions=self.scheduler.num_preemptions,
+            aborts=self.num_aborts,
+            requests_finished=self.num_finished,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            steps=self.num_steps,
+            device=str(self.card.device),
+            attention_backend=str(self.card.attention_backend),
+        )
+
+    # ------------------------------------------------------------------ convenience
+
+    def generate(self, submits: list[Submit], max_steps: int = 1_000_000) -> dict[str, list[RequestOutput]]:
+        """Run ``submits`` to completion in-process (tests, benchmark).
+
+        Returns request_id -> all its ``RequestOutput`` messages in order.
+
+        Raises:
+            ValueError: a submit was refused (the ``RequestError`` message).
+        """
+        res: dict[str, list[Any]] = {}
+        for s in submits:
+            e = self.add_request(s)
+            if e is not None:
+                raise ValueError(f"{e.code}: {e.message}")
+            res[s.request_id] = []
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            for _, m in self.step():
+                res.setdefault(m.request_id, []).append(m)
+        return res
+
+
+def collect_tokens(outputs: list[RequestOutput], index: int = 0) -> list[int]:
+    """All new token ids of choice ``index`` in ``outputs`` (helper for tests and bench)."""
+    toks: list[int] = []
+    for o in outputs:
+        if isinstance(o, RequestOutput) and o.index == index:
+            toks.extend(o.new_token_ids)
+    return toks
+
+
+def final_output(outputs: list[RequestOutput], index: int = 0) -> RequestOutput | None:
+    for o in outputs:
+        if isinstance(o, RequestOutput) and o.index == index and o.finish_reason is not None:
+            return o
+    return None
+
+
+__all__ = ["Engine", "EngineRequest", "collect_tokens", "final_output", "TokenLogprob"]
