@@ -85,7 +85,7 @@ class ChatRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int | str]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
