@@ -29,3 +29,6 @@ def chat_fixtures() -> list[dict]:
 @pytest.fixture(scope="session")
 def tokenizer_fixtures() -> list[dict]:
     return json.loads((SHARED / "fixtures" / "smollm2_tokenizer.json").read_text())["texts"]
+
+# Area plugins (tests/ is on sys.path through this rootdir conftest).
+pytest_plugins = ["plugins.gateway_server"]
