@@ -119,7 +119,8 @@ def main() -> None:
             cpu = platform.processor()
         entry = (f"\n## Tenancy: auth + admission latency ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
                  f"Machine: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-                 f"redis-server local loopback.\nCommand: `.venv/bin/python bench/admission.py --n {args.n} --append-perf`\n"
+                 f"redis-server local loopback; load average at the end {os.getloadavg()[0]:.1f} "
+                 f"(shared machine: p99 is dominated by other processes when the load is high).\nCommand: `.venv/bin/python bench/admission.py --n {args.n} --append-perf`\n"
                  f"Per request: authenticate + admit (rpm, tpm, max_concurrent, daily_tokens) + finish + true-up; "
                  f"latency measured per request, n={args.n}.\n\n{table}\n")
         with open(ROOT / "docs" / "perf.md", "a") as f:

@@ -305,7 +305,8 @@ class Tenancy:
             self.limiter = LocalLimiter()
         self.ledger = UsageLedger(self.store)
         self._cache: dict[str, tuple[float, KeyRecord, TenantRecord]] = {}
-        self._seeded: set[str] = set()
+        self._seeds: dict[str, int] = {}  # daily counter key -> tokens in the ledger when first seen
+        self._seed_day = ""
         self._announce = announce or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
         self._started = False
         self.default_key: str | None = None  # only set (in memory) when this open created it
@@ -435,17 +436,26 @@ class Tenancy:
         return dims
 
     async def _seed_daily(self, dims: list[Dim], day: str) -> None:
+        """Set ``seed`` of daily dimensions: tokens already in the ledger for that day (read once per process
+        and day), so a restart does not reset a daily quota. Used by the limiter only when its counter for
+        the day does not exist yet."""
+        if self._seed_day != day:
+            self._seeds.clear()
+            self._seed_day = day
+            if hasattr(self.limiter, "prune_daily"):
+                self.limiter.prune_daily(day)
         for d in dims:
             if d.kind != "daily":
                 continue
-            if self.limiter.has_daily(d.key) or (self.limiter.shared and d.key in self._seeded):
-                continue
-            kind, ident = d.key.split(":")[0], d.key.split(":")[1]
-            if kind == "t":
-                d.seed = await self.store.call(Store.tokens_on_day, tenant_id=ident, day=day)
-            else:
-                d.seed = await self.store.call(Store.tokens_on_day, key_id=ident, day=day)
-            self._seeded.add(d.key)
+            seed = self._seeds.get(d.key)
+            if seed is None:
+                kind, ident = d.key.split(":")[0], d.key.split(":")[1]
+                if kind == "t":
+                    seed = await self.store.call(Store.tokens_on_day, tenant_id=ident, day=day)
+                else:
+                    seed = await self.store.call(Store.tokens_on_day, key_id=ident, day=day)
+                self._seeds[d.key] = seed
+            d.seed = seed
 
     def reserve_sync_possible(self) -> bool:
         return not self.limiter.shared

@@ -116,6 +116,11 @@ class LocalLimiter:
     def has_daily(self, key: str) -> bool:
         return key in self._daily
 
+    def prune_daily(self, day: str) -> None:
+        """Forget daily counters of other days than ``day`` (``YYYY-MM-DD``)."""
+        for k in [k for k in self._daily if not k.endswith(":" + day)]:
+            del self._daily[k]
+
     # -- async facade shared with RedisLimiter -------------------------------------------------------
     async def acquire(self, dims: list[Dim], member: str) -> Outcome:
         return self.acquire_now(dims, member)  # no checkpoint inside: atomic under Trio
