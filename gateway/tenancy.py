@@ -316,6 +316,7 @@ class Tenancy:
             self.limiter = LocalLimiter()
         self.ledger = UsageLedger(self.store)
         self._cache: dict[str, tuple[float, KeyRecord, TenantRecord]] = {}
+        self._misses: dict[str, float] = {}  # digest of an unknown key -> monotonic expiry
         self._seeds: dict[str, int] = {}  # daily counter key -> tokens in the ledger when first seen
         self._seed_day = ""
         self._announce = announce or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
@@ -363,6 +364,7 @@ class Tenancy:
     def invalidate(self) -> None:
         """Forget cached key/tenant records (called after every admin change: they apply at once)."""
         self._cache.clear()
+        self._misses.clear()
 
     # -- authentication -----------------------------------------------------------------------------------
     async def _lookup(self, token: str) -> tuple[KeyRecord, TenantRecord] | None:
@@ -372,8 +374,14 @@ class Tenancy:
         if hit is not None and hit[0] > now:
             rec = hit[1], hit[2]
         else:
+            miss = self._misses.get(digest)
+            if miss is not None and miss > now:
+                return None  # a flood of wrong keys does not reach the DB thread
             found = await self.store.call(Store.find_key, digest)
             if found is None:
+                if len(self._misses) > 10_000:
+                    self._misses.clear()
+                self._misses[digest] = now + self.cache_ttl_s
                 return None
             rec = found
             if len(self._cache) > 100_000:
