@@ -405,6 +405,9 @@ def openapi_spec() -> dict[str, Any]:
         "parameters": [{"name": n, "in": "query", "schema": {"type": "string"}} for n in ("since", "until")],
         "responses": {"200": _resp("usage", ref("Usage")), **_errors(400, 401)}}}
     A = "/admin/v1"
+    P[f"{A}/stats"] = {"get": {
+        "summary": "Engine counters (served by the gateway itself; admin key)", "security": admin,
+        "responses": {"200": _resp("stats", {"type": "object"}), **_errors(401, 403)}}}
     P[f"{A}/tenants"] = {
         "post": {"summary": "Create a tenant", "security": admin,
                  "requestBody": {"required": True, "content": {"application/json": {"schema": ref("TenantCreate")}}},
