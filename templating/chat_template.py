@@ -23,8 +23,8 @@ Rules of this gateway (documented in ``docs/text.md``):
   template unchanged.
 * Control tokens: only the special tokens the template itself writes become special ids. Every string that
   comes from the client (contents, names, roles, tool calls, tool definitions) is encoded as literal text
-  even when it spells ``<|im_end|>``: before rendering, each special-token string inside client strings is
-  swapped for a random private-use placeholder; after rendering, special tokens are found only in what the
+  even when it spells ``<|im_end|>``: before rendering, each special-token string inside client strings
+  (and a partial one at either end of a client string) is swapped for a random private-use placeholder; after rendering, special tokens are found only in what the
   template wrote, and the placeholders are turned back into the literal text, which is tokenized as
   ordinary text. Token boundaries are the ones HF gives for the same text (text between special tokens is
   tokenized as one piece), so honest prompts get exactly HF's ids.
@@ -197,29 +197,57 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Neutralizer:
-    """Swaps special-token strings in client strings for private-use placeholders, and back."""
+class _Specials:
+    """The special-token strings of a tokenizer, with what neutralization needs (built once per template)."""
 
     def __init__(self, specials: Sequence[str]):
-        self.specials = list(specials)
-        self.pattern = re.compile("|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True))) if specials else None
+        self.tokens = sorted(set(specials), key=len, reverse=True)
+        self.pattern = re.compile("|".join(re.escape(s) for s in self.tokens)) if self.tokens else None
+        self.max_len = max((len(s) for s in self.tokens), default=0)
+        self.prefixes = frozenset(s[:k] for s in self.tokens for k in range(1, len(s)))
+        self.suffixes = frozenset(s[k:] for s in self.tokens for k in range(1, len(s)))
+
+
+class _Neutralizer:
+    """Per request: swaps control-token text in client strings for private-use placeholders, and back.
+
+    Replaced: every full special-token string, and a proper prefix of one at the very end of a client string
+    (or a proper suffix at its very start), so that no special token can form across the boundary between
+    client text and template text either. ``restore`` puts the original characters back exactly.
+    """
+
+    def __init__(self, specials: _Specials):
+        self.sp = specials
         # 6 random private-use characters (U+E000..U+F8FF): ~2^75 choices, not guessable by a client.
         nonce = "".join(chr(0xE000 + secrets.randbelow(0x1900)) for _ in range(6))
-        self.index = {s: k for k, s in enumerate(self.specials)}
         self.open = "\U000F0000" + nonce
         self.close = "\U000F0001"
         self.back = re.compile(re.escape(self.open) + r"(\d+)" + re.escape(self.close))
-        self.used = False
+        self.literals: list[str] = []
 
-    def _ph(self, m: re.Match[str]) -> str:
-        self.used = True
-        return f"{self.open}{self.index[m.group(0)]}{self.close}"
+    def _ph(self, literal: str) -> str:
+        self.literals.append(literal)
+        return f"{self.open}{len(self.literals) - 1}{self.close}"
+
+    def _str(self, x: str) -> str:
+        sp = self.sp
+        if any(t in x for t in sp.tokens):
+            x = sp.pattern.sub(lambda m: self._ph(m.group(0)), x)
+        lim = min(sp.max_len - 1, len(x))
+        tail = next((k for k in range(lim, 0, -1) if x[-k:] in sp.prefixes), 0)
+        lim = min(sp.max_len - 1, len(x) - tail)
+        head = next((k for k in range(lim, 0, -1) if x[:k] in sp.suffixes), 0)
+        if tail:
+            x = x[:-tail] + self._ph(x[-tail:])
+        if head:
+            x = self._ph(x[:head]) + x[head:]
+        return x
 
     def apply(self, x: Any) -> Any:
-        if self.pattern is None:
+        if self.sp.pattern is None:
             return x
         if isinstance(x, str):
-            return self.pattern.sub(self._ph, x) if any(s in x for s in self.specials) else x
+            return self._str(x)
         if isinstance(x, dict):
             return {self.apply(k): self.apply(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
@@ -227,9 +255,9 @@ class _Neutralizer:
         return x
 
     def restore(self, text: str) -> str:
-        if not self.used:
+        if not self.literals:
             return text
-        return self.back.sub(lambda m: self.specials[int(m.group(1))], text)
+        return self.back.sub(lambda m: self.literals[int(m.group(1))], text)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,9 +284,8 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.source = source
         self._template = _compile(source)
-        specials = sorted(set(tokenizer.special_tokens.values()), key=len, reverse=True)
-        self._specials = specials
-        self._special_re = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
+        self._specials = _Specials(tokenizer.special_tokens.values())
+        self._special_re = self._specials.pattern
         self._special_id = {s: i for i, s in tokenizer.special_tokens.items()}
         #: True if the template mentions ``tools`` (otherwise tool definitions do not reach the prompt).
         self.supports_tools = "tools" in source

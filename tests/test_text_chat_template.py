@@ -253,3 +253,18 @@ def test_property_only_template_specials(model_path, convo, gen_prompt):
     if not any(s in p.text.replace("<|im_start|>", "").replace("<|im_end|>", "") for s in tok.special_tokens.values()):
         if not any(s in (r + c) for r, c in convo for s in ("<|im_start|>", "<|im_end|>")):
             assert p.ids == tok.encode_with_specials(p.text)
+
+
+def test_no_special_token_across_client_template_boundary(tok):
+    """Client text ending (or starting) with part of a control token cannot complete one the template writes."""
+    t = ChatTemplate(tok, "{% for m in messages %}<|im_start|>{{ m.content }}im_end|>|{{ m.role }}{% endfor %}")
+    p = t.render([{"role": "user", "content": "hi <|"}])
+    assert p.text == "<|im_start|>hi <|im_end|>|user"
+    assert n_special(tok, p.ids) == 1  # only the template's <|im_start|>
+    t2 = ChatTemplate(tok, "{% for m in messages %}<|im_{{ m.content }}<|im_end|>{% endfor %}")
+    p = t2.render([{"role": "user", "content": "start|>x"}])
+    assert p.text == "<|im_start|>x<|im_end|>"
+    assert n_special(tok, p.ids) == 1  # only the template's own <|im_end|>
+    # honest text ending in "<" still gets HF's ids
+    p = ChatTemplate(tok).render([{"role": "user", "content": "a <"}, {"role": "assistant", "content": "|> b"}])
+    assert p.ids == tok.encode_with_specials(p.text)
