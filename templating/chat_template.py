@@ -222,7 +222,6 @@ class _Neutralizer:
         nonce = "".join(chr(0xE000 + secrets.randbelow(0x1900)) for _ in range(6))
         self.open = "\U000F0000" + nonce
         self.close = "\U000F0001"
-        self.back = re.compile(re.escape(self.open) + r"(\d+)" + re.escape(self.close))
         self.literals: list[str] = []
 
     def _ph(self, literal: str) -> str:
@@ -257,7 +256,8 @@ class _Neutralizer:
     def restore(self, text: str) -> str:
         if not self.literals:
             return text
-        return self.back.sub(lambda m: self.literals[int(m.group(1))], text)
+        back = re.compile(re.escape(self.open) + r"(\d+)" + re.escape(self.close))  # only when used
+        return back.sub(lambda m: self.literals[int(m.group(1))], text)
 
 
 # ---------------------------------------------------------------------------------------------------
