@@ -31,8 +31,6 @@ from typing import Any
 import torch
 
 from kernels_cupy.compile import (
-    DECODE_THREADS,
-    DECODE_WARPS,
     PREFILL_THREADS,
     PREFILL_WARPS,
     WRITE_KV_THREADS,
@@ -59,9 +57,9 @@ def choose_partition_size(num_kv_heads: int, num_seqs: int, max_seq_len: int, bl
     return max(1, math.ceil(ps / block_size)) * block_size
 
 
-def decode_smem_bytes(partition_size: int, gqa: int, head_dim: int, block_size: int) -> int:
+def decode_smem_bytes(partition_size: int, gqa: int, head_dim: int, block_size: int, decode_warps: int = 4) -> int:
     """Dynamic shared memory of ``paged_decode`` (bytes): logits, cross-warp partial sums, block-table slice."""
-    return 4 * (partition_size * gqa + DECODE_WARPS * gqa * head_dim) + 4 * (partition_size // block_size + 1)
+    return 4 * (partition_size * gqa + decode_warps * gqa * head_dim) + 4 * (partition_size // block_size + 1)
 
 
 def build_prefill_tiles(query_lens: list[int], num_decodes: int, rows: int = PREFILL_WARPS) -> list[int]:
@@ -100,6 +98,7 @@ class CupyAttention:
         self.device = torch.device(device) if device is not None else None
         self.poison_scratch = False  # checks: fill decode scratch with NaN so an unwritten element shows
         self.partition_size: int | None = None  # tuning/checks: force the decode partition size (tokens)
+        self.tuning: dict[str, int] = {}  # tuning/checks: KernelConfig decode_warps / k_unroll / v_unroll
         self._arrays: OrderedDict[tuple, Any] = OrderedDict()  # DLPack views of long-lived tensors (caches)
         self._meta: Any = None
         self._meta_arrays: dict[str, Any] = {}
@@ -108,6 +107,28 @@ class CupyAttention:
         self._dummy: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ helpers
+    # Hooks overridden by the CPU emulator (kernels_cupy/emu.py): kernel lookup, argument conversion,
+    # launch context, device check.
+    def _fn(self, cfg: KernelConfig, name: str):
+        return get_function(cfg, name)
+
+    def _arg(self, t: torch.Tensor):
+        return self._cp(t)
+
+    def _launch_ctx(self, dev: torch.device):
+        import contextlib
+
+        import cupy
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(dev.index))
+        stack.enter_context(self._stream(dev))
+        return stack
+
+    def _check_device(self, k_cache: torch.Tensor) -> None:
+        if not k_cache.is_cuda:
+            raise ValueError("CupyAttention needs CUDA tensors")
+
     @staticmethod
     def _cp(t: torch.Tensor):
         import cupy
@@ -120,7 +141,7 @@ class CupyAttention:
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
         arr = self._arrays.get(key)
         if arr is None:
-            arr = self._cp(t)
+            arr = self._arg(t)
             self._arrays[key] = arr
             if len(self._arrays) > 256:
                 self._arrays.popitem(last=False)
@@ -168,16 +189,16 @@ class CupyAttention:
 
         bt = i32(meta.block_tables)
         views = {
-            "slot_mapping": self._cp(meta.slot_mapping.to(device=device, dtype=torch.int64).contiguous()),
-            "seq_lens": self._cp(i32(meta.seq_lens).contiguous()),
-            "query_start_loc": self._cp(i32(meta.query_start_loc).contiguous()),
-            "block_tables": self._cp(bt),
+            "slot_mapping": self._arg(meta.slot_mapping.to(device=device, dtype=torch.int64).contiguous()),
+            "seq_lens": self._arg(i32(meta.seq_lens).contiguous()),
+            "query_start_loc": self._arg(i32(meta.query_start_loc).contiguous()),
+            "block_tables": self._arg(bt),
             "bt_stride": int(bt.stride(0)) if bt.dim() == 2 and bt.shape[0] > 0 else 0,
         }
         tiles = build_prefill_tiles(list(meta.query_lens_cpu), meta.num_decodes)
         views["num_tiles"] = len(tiles) // 2
         if tiles:
-            views["tiles"] = self._cp(torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True))
+            views["tiles"] = self._arg(torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True))
         self._meta, self._meta_arrays = meta, views
         return views
 
@@ -188,8 +209,7 @@ class CupyAttention:
             raise ValueError(f"CupyAttention built for {self.dtype}, got {dtype}")
         if k_cache.dtype != dtype:
             raise ValueError(f"cache dtype {k_cache.dtype} != {dtype}")
-        if not k_cache.is_cuda:
-            raise ValueError("CupyAttention needs CUDA tensors")
+        self._check_device(k_cache)
         if not k_cache.is_contiguous():
             raise ValueError("KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
 
@@ -201,7 +221,6 @@ class CupyAttention:
         Cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype as key/value.
         """
         self._check(key.dtype, k_cache)
-        import cupy
         import numpy as np
 
         T, Hkv, D = key.shape
@@ -212,11 +231,11 @@ class CupyAttention:
         cfg = KernelConfig(_DTYPE_NAMES[key.dtype], D, k_cache.shape[1], 1)
         key, value = self._rows(key), self._rows(value)
         dev = key.device
-        with cupy.cuda.Device(dev.index), self._stream(dev):
+        with self._launch_ctx(dev):
             mv = self._meta_views(meta, dev)
-            get_function(cfg, "write_kv")(
+            self._fn(cfg, "write_kv")(
                 (T,), (WRITE_KV_THREADS,),
-                (self._cp(key), np.int64(key.stride(0)), self._cp(value), np.int64(value.stride(0)),
+                (self._arg(key), np.int64(key.stride(0)), self._arg(value), np.int64(value.stride(0)),
                  self._cached(k_cache), self._cached(v_cache), mv["slot_mapping"], np.int32(Hkv)),
             )
 
@@ -235,13 +254,12 @@ class CupyAttention:
             ``[T, num_heads, head_dim]`` in the query's dtype (fp32 accumulation inside).
         """
         self._check(query.dtype, k_cache)
-        import cupy
 
         T, H, D = query.shape
         Hkv, bs = k_cache.shape[2], k_cache.shape[1]
         if H % Hkv:
             raise ValueError(f"{H} query heads not a multiple of {Hkv} KV heads")
-        cfg = KernelConfig(_DTYPE_NAMES[query.dtype], D, bs, H // Hkv)
+        cfg = KernelConfig(_DTYPE_NAMES[query.dtype], D, bs, H // Hkv, **self.tuning)
         query = self._rows(query)
         if out is None:
             out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)
@@ -250,7 +268,7 @@ class CupyAttention:
         if T == 0:
             return out
         dev = query.device
-        with cupy.cuda.Device(dev.index), self._stream(dev):
+        with self._launch_ctx(dev):
             for fn, grid, block, args, smem in self._plan(cfg, query, k_cache, v_cache, meta, scale, out):
                 fn(grid, block, args, shared_mem=smem)
         return out
@@ -268,7 +286,7 @@ class CupyAttention:
         mv = self._meta_views(meta, dev)
         Hkv, bs = k_cache.shape[2], k_cache.shape[1]
         H, D = query.shape[1], query.shape[2]
-        q_c, o_c = self._cp(query), self._cp(out)
+        q_c, o_c = self._arg(query), self._arg(out)
         kc, vc = self._cached(k_cache), self._cached(v_cache)
         plans: list[tuple] = []
         nd = meta.num_decodes
@@ -277,8 +295,8 @@ class CupyAttention:
             ps = self.partition_size or choose_partition_size(Hkv, nd, max_len, bs, self._sms(dev))
             ps = max(1, math.ceil(ps / bs)) * bs
             parts = math.ceil(max_len / ps)
-            smem = decode_smem_bytes(ps, cfg.gqa, D, bs)
-            fn = get_function(cfg, "paged_decode")
+            smem = decode_smem_bytes(ps, cfg.gqa, D, bs, cfg.decode_warps)
+            fn = self._fn(cfg, "paged_decode")
             if smem > SMEM_DEFAULT_LIMIT:
                 fn.max_dynamic_shared_size_bytes = smem
             if parts > 1:
@@ -286,19 +304,19 @@ class CupyAttention:
                 tmp = fill((nd, H, parts, D), float("nan"), dtype=torch.float32, device=dev)
                 ml = fill((nd, H, parts), float("nan"), dtype=torch.float32, device=dev)
                 es = fill((nd, H, parts), float("nan"), dtype=torch.float32, device=dev)
-                tmp_c, ml_c, es_c = self._cp(tmp), self._cp(ml), self._cp(es)
+                tmp_c, ml_c, es_c = self._arg(tmp), self._arg(ml), self._arg(es)
             else:
                 tmp_c = ml_c = es_c = self._dummy_array(dev)
-            plans.append((fn, (Hkv, nd, parts), (DECODE_THREADS,),
+            plans.append((fn, (Hkv, nd, parts), (32 * cfg.decode_warps,),
                           (o_c, np.int64(out.stride(0)), tmp_c, ml_c, es_c, q_c, np.int64(query.stride(0)),
                            kc, vc, mv["block_tables"], np.int32(mv["bt_stride"]), mv["seq_lens"],
                            np.int32(Hkv), np.float32(scale), np.int32(ps)), smem))
             if parts > 1:
-                plans.append((get_function(cfg, "paged_decode_reduce"), (H, nd), (128,),
+                plans.append((self._fn(cfg, "paged_decode_reduce"), (H, nd), (128,),
                               (o_c, np.int64(out.stride(0)), tmp_c, ml_c, es_c, mv["seq_lens"],
                                np.int32(parts), np.int32(ps)), 4 * parts))
         if mv["num_tiles"]:
-            plans.append((get_function(cfg, "paged_prefill"), (mv["num_tiles"], Hkv), (PREFILL_THREADS,),
+            plans.append((self._fn(cfg, "paged_prefill"), (mv["num_tiles"], Hkv), (PREFILL_THREADS,),
                           (o_c, np.int64(out.stride(0)), q_c, np.int64(query.stride(0)), kc, vc,
                            mv["block_tables"], np.int32(mv["bt_stride"]), mv["seq_lens"], mv["query_start_loc"],
                            mv["tiles"], np.int32(Hkv), np.float32(scale)), 0))
@@ -307,5 +325,5 @@ class CupyAttention:
     def _dummy_array(self, dev: torch.device):
         idx = dev.index
         if idx not in self._dummy:
-            self._dummy[idx] = self._cp(torch.zeros(1, dtype=torch.float32, device=dev))
+            self._dummy[idx] = self._arg(torch.zeros(1, dtype=torch.float32, device=dev))
         return self._dummy[idx]

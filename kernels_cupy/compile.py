@@ -29,8 +29,6 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_GQA = 8
 
 # Constants mirrored from the .cu source (host-side launch geometry).
-DECODE_THREADS = 128
-DECODE_WARPS = 4
 PREFILL_WARPS = 4  # query rows per prefill CTA
 PREFILL_THREADS = PREFILL_WARPS * 32
 WRITE_KV_THREADS = 128
@@ -45,12 +43,17 @@ class KernelConfig:
         head_dim: elements per head, 64 or 128.
         block_size: tokens per KV-cache block (>= 1).
         gqa: query heads per KV head, 1..8.
+        decode_warps / k_unroll / v_unroll: decode-kernel tuning (warps per CTA: 2, 4 or 8; K and V rows
+            in flight per lane). Defaults are the measured choice (docs/perf-gpu.md).
     """
 
     dtype: str
     head_dim: int
     block_size: int
     gqa: int
+    decode_warps: int = 4
+    k_unroll: int = 2
+    v_unroll: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16"):
@@ -61,6 +64,8 @@ class KernelConfig:
             raise ValueError(f"unsupported query heads per KV head {self.gqa} (1..{MAX_GQA})")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.decode_warps not in (2, 4, 8) or not 1 <= self.k_unroll <= 8 or not 1 <= self.v_unroll <= 16:
+            raise ValueError(f"bad decode tuning {self.decode_warps}/{self.k_unroll}/{self.v_unroll}")
 
     def defines(self) -> list[str]:
         return [
@@ -68,6 +73,9 @@ class KernelConfig:
             f"-DHEAD_DIM={self.head_dim}",
             f"-DBLOCK_SIZE={self.block_size}",
             f"-DGQA={self.gqa}",
+            f"-DDECODE_WARPS={self.decode_warps}",
+            f"-DK_UNROLL={self.k_unroll}",
+            f"-DV_UNROLL={self.v_unroll}",
         ]
 
 

@@ -15,6 +15,7 @@
 // per (head, sequence, partition), logits in shared memory, partition reduction kernel) and
 // FlashAttention-2's online softmax (Dao 2023, arXiv:2307.08691) for the prefill kernel.
 // No headers are included: 16-bit conversions use PTX cvt (sm_80+), so NVRTC needs no include path.
+// CUDA_EMU: the same source also builds as C++ for the CPU emulator (kernels_cupy/cuda_emu.h, tests only).
 
 #ifndef KV_BF16
 #error "KV_BF16 must be defined (0 or 1)"
@@ -31,6 +32,10 @@
 
 typedef unsigned short raw16;
 
+#ifndef DYNAMIC_SMEM
+#define DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+#endif
+
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL_MASK 0xffffffffu
 #define VEC 8  // 16-bit elements per 16-byte vector
@@ -38,23 +43,35 @@ typedef unsigned short raw16;
 #if KV_BF16
 __device__ __forceinline__ float to_f32(raw16 x) { return __uint_as_float(((unsigned int)x) << 16); }
 __device__ __forceinline__ raw16 from_f32(float f) {
+#ifdef CUDA_EMU
+  return emu_f32_to_bf16(f);
+#else
   raw16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
+#endif
 }
 __device__ __forceinline__ float2 unpack2(unsigned int w) {
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 #else
 __device__ __forceinline__ float to_f32(raw16 x) {
+#ifdef CUDA_EMU
+  return emu_f16_to_f32(x);
+#else
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
   return f;
+#endif
 }
 __device__ __forceinline__ raw16 from_f32(float f) {
+#ifdef CUDA_EMU
+  return emu_f32_to_f16(f);
+#else
   raw16 r;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
+#endif
 }
 __device__ __forceinline__ float2 unpack2(unsigned int w) {
   return make_float2(to_f32((raw16)(w & 0xffffu)), to_f32((raw16)(w >> 16)));
@@ -105,8 +122,8 @@ extern "C" __global__ void __launch_bounds__(128) write_kv(
 
 // ---------------------------------------------------------------------------------------------------------
 // (b) paged decode attention, one query token per sequence (PagedAttention v1/v2).
-// grid = (num_kv_heads, num_seqs, num_parts), block = 128 (4 warps), dynamic shared memory =
-//   4 * (partition_size * GQA + 4 * GQA * HEAD_DIM) + 4 * (partition_size / BLOCK_SIZE + 1) bytes.
+// grid = (num_kv_heads, num_seqs, num_parts), block = 32 * DECODE_WARPS, dynamic shared memory =
+//   4 * (partition_size * GQA + DECODE_WARPS * GQA * HEAD_DIM) + 4 * (partition_size / BLOCK_SIZE + 1) bytes.
 // Each CTA handles one KV head, all GQA query heads of that group (every K/V row is loaded once for the
 // whole group) and one partition of partition_size tokens (a multiple of BLOCK_SIZE).
 //   K phase: each key row is read by K_LPT lanes (two 16-byte vectors each); q (pre-scaled, fp32) lives in
@@ -118,15 +135,22 @@ extern "C" __global__ void __launch_bounds__(128) write_kv(
 // its max logit and exp-sum in max_logits / exp_sums [num_seqs, num_heads, num_parts], and
 // paged_decode_reduce combines them (v2). Query row of sequence s is row s (decodes come first).
 // ---------------------------------------------------------------------------------------------------------
-#define NUM_WARPS 4
+#ifndef DECODE_WARPS
+#define DECODE_WARPS 4  // tunable (kernels_cupy.compile.KernelConfig.decode_warps)
+#endif
+#ifndef K_UNROLL
+#define K_UNROLL 2  // key rows in flight per lane (tunable)
+#endif
+#ifndef V_UNROLL
+#define V_UNROLL 4  // value rows in flight per lane (tunable)
+#endif
+#define NUM_WARPS DECODE_WARPS
 #define NUM_THREADS (NUM_WARPS * 32)
 #define K_VECS 2
 #define K_LPT (HEAD_DIM / (VEC * K_VECS))
 #define K_TPW (32 / K_LPT)
 #define V_LPT (HEAD_DIM / VEC)
 #define V_TPW (32 / V_LPT)
-#define K_UNROLL 2
-#define V_UNROLL 4
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_decode(
     raw16* __restrict__ out, long long out_stride,
@@ -146,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_decode(
   const int num_heads = num_kv_heads * GQA;
   const long long row_stride = (long long)num_kv_heads * HEAD_DIM;  // elements between cache slots
 
-  extern __shared__ float smem[];
+  DYNAMIC_SMEM(float, smem);
   float* logits = smem;                                  // [partition_size][GQA]
   float* red = logits + partition_size * GQA;            // [NUM_WARPS][GQA][HEAD_DIM]
   int* bt = reinterpret_cast<int*>(red + NUM_WARPS * GQA * HEAD_DIM);  // [partition_size / BLOCK_SIZE]
@@ -348,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(128) paged_decode_reduce(
   const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int n_parts = (seq_lens[seq] + partition_size - 1) / partition_size;
-  extern __shared__ float w[];  // [num_parts]
+  DYNAMIC_SMEM(float, w);  // [num_parts]
   __shared__ float red_m[4], red_s[4];
   const long long base = ((long long)seq * num_heads + head) * num_parts;
 

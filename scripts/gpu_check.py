@@ -255,10 +255,13 @@ def check_bandwidth(quick: bool) -> None:
     attn = CupyAttention()
     shapes = [(B, L, 4) for B in (1, 64, 256) for L in (512, 2048, 8192)]
     shapes += [(256, 2048, 1), (256, 2048, 8)]
-    variants = [None]
+    # tuning variants at the acceptance point: (partition size, KernelConfig tuning); first = default
+    tune = [(None, {}), (256, {}), (1024, {}), (None, {"decode_warps": 8}), (None, {"decode_warps": 2}),
+            (None, {"k_unroll": 4, "v_unroll": 8}), (None, {"k_unroll": 1, "v_unroll": 2}),
+            (None, {"decode_warps": 8, "k_unroll": 4, "v_unroll": 8})]
     results = []
     for B, L, G in shapes:
-        for ps in ([None, 256, 1024] if (B, L, G) == (256, 2048, 4) and not quick else variants):
+        for ps, tuning in (tune if (B, L, G) == (256, 2048, 4) and not quick else tune[:1]):
             H = Hkv * G
             perm = torch.randperm(nblocks, device=dev, generator=gen)[: B * L // bs].to(torch.int32)
             meta = AttentionMetadata(
@@ -272,10 +275,11 @@ def check_bandwidth(quick: bool) -> None:
             q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=gen)
             out = torch.empty_like(q)
             attn.partition_size = ps
+            attn.tuning = tuning
             from kernels_cupy.attention import choose_partition_size
             from kernels_cupy.compile import KernelConfig
 
-            cfg = KernelConfig("bfloat16", D, bs, G)
+            cfg = KernelConfig("bfloat16", D, bs, G, **tuning)
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
             with cupy.cuda.Device(torch.cuda.current_device()), stream:
                 plans = attn._plan(cfg, q, kc, vc, meta, D ** -0.5, out)
@@ -293,16 +297,18 @@ def check_bandwidth(quick: bool) -> None:
             bw = kv_bytes / (ms * 1e-3)
             used_ps = ps or choose_partition_size(Hkv, B, L, bs, torch.cuda.get_device_properties(0).multi_processor_count)
             rec = dict(batch=B, context=L, gqa=G, heads=H, kv_heads=Hkv, head_dim=D, partition=used_ps, ms=ms,
-                       kv_GBps=bw / 1e9, frac_of_copy=bw / copy_bw, rel_err=err)
+                       kv_GBps=bw / 1e9, frac_of_copy=bw / copy_bw, rel_err=err, tuning=tuning)
             results.append(rec)
-            accept = (B, L, G) == (256, 2048, 4) and ps is None
+            accept = (B, L, G) == (256, 2048, 4) and ps is None and not tuning
             status = ("PASS" if bw >= 0.6 * copy_bw and err < 1e-2 else "FAIL") if accept else ("INFO" if err < 1e-2 else "FAIL")
-            row("bandwidth", f"decode B={B} ctx={L} H={H}/Hkv={Hkv} D={D} bf16 ps={used_ps}",
+            tn = "".join(f" {k}={v}" for k, v in tuning.items())
+            row("bandwidth", f"decode B={B} ctx={L} H={H}/Hkv={Hkv} D={D} bf16 ps={used_ps}{tn}",
                 f"{ms * 1e3:.1f} us, K/V {bw / 1e9:.0f} GB/s = {100 * bw / copy_bw:.0f}% of copy, rel err {err:.1e}",
                 ">= 60% of copy" if accept else "", status)
             del q, out, perm, meta, plans
             attn.clear_cache()
     attn.partition_size = None
+    attn.tuning = {}
     INFO["decode_bandwidth"] = results
 
 
