@@ -334,7 +334,7 @@ class ObservabilityMiddleware:
         log_content: keep prompt/output text in the log (debug; off by default).
         known_paths: route paths used as the ``path`` label; others count as "other"
             (bounded label cardinality). Defaults to the wrapped app's ``routes``, if any.
-        skip_log_paths: paths not written to the access log (default ``/metrics``, ``/health``).
+        skip_log_paths: paths not written to the access log (default ``/metrics`` and the health probes).
 
     Every ``http`` response carries ``x-request-id``: the client's if valid, else a new one.
     """
@@ -346,7 +346,7 @@ class ObservabilityMiddleware:
         *,
         log_content: bool = False,
         known_paths: Iterable[str] | None = None,
-        skip_log_paths: Iterable[str] = ("/metrics", "/health", "/healthz"),
+        skip_log_paths: Iterable[str] = ("/metrics", "/health", "/healthz", "/readyz"),
     ) -> None:
         self.app = app
         self.metrics = metrics
