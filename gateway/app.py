@@ -67,6 +67,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     backend_wait_s: float = 30.0  # seconds a new request waits for a (re)starting backend before 503
     admin_key: str | None = None
     served_model_names: list[str] = []  # extra names accepted in "model"
+    # observability (docs/observability.md): tenant label on /metrics counters, prompt/output text in the
+    # access log (debug only), access-log destination ("-" stderr, a path, "off")
+    metrics_tenant_label: bool = False
+    log_content: bool = False
+    access_log: str | None = "-"
 
 
 class Gateway:
@@ -413,4 +418,8 @@ def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.gateway = gw
-    return app
+    # observability: /metrics, Ollama API routes, x-request-id, access log (outermost wrapper, forwards attributes)
+    from gateway.metrics import instrument
+
+    return instrument(app, gw, tenant_label=gw.config.metrics_tenant_label, log_content=gw.config.log_content,
+                      access_log=gw.config.access_log)
