@@ -63,7 +63,7 @@ def _static_files() -> set[str]:
         return set()
 
 
-PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/openapi.json", "/favicon.ico", "/playground",
+PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/openapi.json", "/favicon.ico", "/playground",
                           "/playground/", "/index.html", *_static_files()})
 PUBLIC_PREFIXES = ("/static/", "/playground/")
 
