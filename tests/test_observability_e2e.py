@@ -1,0 +1,223 @@
+"""Observability against a real gateway subprocess with the real backend (tests/plugins/gateway_server.py).
+
+Known traffic goes through /v1 and the Ollama API (official ``ollama`` client);
+``/metrics`` is scraped before and after and the deltas are checked exactly
+against what the responses (and, for the aborted request, its access-log
+line) report; engine counters are cross-checked against the gateway's own
+sums. A second gateway with a tiny KV pool (``--num-kv-blocks``) forces a
+preemption. Requests generate 1-3 tokens to keep the file fast on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import ollama
+import pytest
+
+from gateway.metrics import parse_exposition, sample_sum
+
+pytestmark = pytest.mark.slow
+
+P = "gateway:"
+DISTINCT = "Quokka-marmalade-7731 says hello"  # must never reach the log
+
+
+def scrape(gp) -> dict:
+    r = httpx.get(gp.base_url + "/metrics", timeout=30)
+    assert r.status_code == 200, r.text
+    assert "x-request-id" in r.headers
+    return parse_exposition(r.text)
+
+
+def d(before: dict, after: dict, name: str, **labels) -> float:
+    return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
+
+
+def access_lines(gp) -> list[dict]:
+    out = []
+    for line in gp.log_path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"request_id"' in line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def log_line(gp, rid: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        for e in access_lines(gp):
+            if e["request_id"] == rid:
+                return e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no access-log line for {rid}:\n{gp.log_tail()}")
+        time.sleep(0.05)
+
+
+def chat(gp, messages, *, rid: str | None = None, key: str | None = None, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key or gp.api_key}"}
+    if rid:
+        headers["x-request-id"] = rid
+    body = {"model": gp.model, "messages": messages, "temperature": 0, **kw}
+    return httpx.post(gp.base_url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
+
+
+def _tenant_key(gp, rpm: int) -> str | None:
+    """A fresh tenant with an rpm limit, through the admin API; None when tenancy is not wired in."""
+    h = gp.admin_headers()
+    r = httpx.post(gp.base_url + "/admin/v1/tenants", json={"name": f"obs-{time.monotonic_ns()}", "limits": {"rpm": rpm, "window_s": 3600}}, headers=h, timeout=30)
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 201, r.text
+    k = httpx.post(gp.base_url + f"/admin/v1/tenants/{r.json()['id']}/keys", json={}, headers=h, timeout=30)
+    assert k.status_code == 201, k.text
+    return k.json()["key"]
+
+
+def test_metrics_logs_and_ollama_against_real_gateway(gateway):
+    gp = gateway
+    m1 = [{"role": "user", "content": DISTINCT}]
+    m2 = [{"role": "user", "content": "Name a color."}]
+    limited_key = _tenant_key(gp, rpm=1)
+    before = scrape(gp)
+    usages, reasons = [], []
+
+    # --- /v1: one non-streaming request carrying a key, a request id and a distinctive prompt
+    r1 = chat(gp, m1, rid="obs-e2e-1", max_tokens=2)
+    assert r1.status_code == 200, r1.text
+    assert r1.headers["x-request-id"] == "obs-e2e-1"
+    usages.append(r1.json()["usage"])
+    reasons.append(r1.json()["choices"][0]["finish_reason"])
+
+    # --- an abort: a streaming client leaves after its first token (legacy completions with fresh
+    #     random token ids, so that no prefix-cache hit goes uncounted: an aborted request has no usage)
+    abort_ids = random.Random(time.time_ns()).sample(range(1000, 40000), 20)
+    with httpx.stream("POST", gp.base_url + "/v1/completions", headers={**gp.headers(), "x-request-id": "obs-e2e-abort"}, timeout=300,
+                      json={"model": gp.model, "prompt": abort_ids, "temperature": 0, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"] == "obs-e2e-abort"
+        for line in r.iter_lines():
+            if line.startswith("data: ") and any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+                break
+
+    # --- Ollama API through the official client (the chat repeats r1's messages: a cached prefix)
+    oc = ollama.Client(host=gp.base_url, headers={"Authorization": f"Bearer {gp.api_key}"})
+    o1 = oc.chat(model=gp.model, messages=m1, options={"num_predict": 2, "temperature": 0})
+    o2 = list(oc.chat(model=gp.model, messages=m2, options={"num_predict": 1, "temperature": 0}, stream=True))
+    o3 = oc.generate(model=gp.model, prompt="Name a color.", options={"num_predict": 1, "temperature": 0})
+    o4 = list(oc.generate(model=gp.model, prompt="Name a color.", options={"num_predict": 1, "temperature": 0}, stream=True))
+    assert o1.prompt_eval_count == usages[0]["prompt_tokens"]  # same messages: same count as /v1
+    assert o1.message.content == r1.json()["choices"][0]["message"]["content"]  # greedy: same text
+    assert o3.prompt_eval_count == o2[-1].prompt_eval_count  # generate = one user message
+    assert "".join(p.response for p in o4) == o3.response
+    assert "".join(p.message.content for p in o2) == o3.response
+    for fin in (o1, o2[-1], o3, o4[-1]):
+        assert fin.done and fin.eval_count >= 1 and fin.load_duration == 0
+        assert fin.prompt_eval_duration > 0 and fin.eval_duration >= 0
+        assert fin.prompt_eval_duration + fin.eval_duration <= fin.total_duration
+        usages.append({"prompt_tokens": fin.prompt_eval_count, "completion_tokens": fin.eval_count})
+        reasons.append(fin.done_reason)
+    assert o1.eval_duration > 0
+    assert not any(p.done for p in o2[:-1])
+
+    # --- a 429 (tenant limited to 1 request per hour)
+    n429 = 0
+    if limited_key is not None:
+        ra = chat(gp, m2, key=limited_key, max_tokens=1)
+        assert ra.status_code == 200, ra.text
+        usages.append(ra.json()["usage"])
+        reasons.append(ra.json()["choices"][0]["finish_reason"])
+        rb = chat(gp, m2, key=limited_key, max_tokens=1)
+        assert rb.status_code == 429, rb.text
+        n429 = 1
+
+    # --- settle: the abort reaches the backend asynchronously
+    deadline = time.monotonic() + 60
+    while True:
+        after = scrape(gp)
+        if d(before, after, P + "engine_aborts_total") >= 1 and d(before, after, P + "request_aborts_total") >= 1 and sample_sum(after, P + "num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, "abort not counted"
+        time.sleep(0.2)
+
+    ab = log_line(gp, "obs-e2e-abort")
+    assert ab["finish_reason"] == "abort" and ab["status"] == 200 and ab["completion_tokens"] >= 1
+    assert ab["prompt_tokens"] == len(abort_ids)
+    n_done = len(usages)  # requests that finished normally
+    prompt = sum(u["prompt_tokens"] for u in usages) + ab["prompt_tokens"]
+    gen = sum(u["completion_tokens"] for u in usages) + ab["completion_tokens"]
+    with_tokens = sum(1 for u in usages if u["completion_tokens"] > 0) + 1
+
+    assert d(before, after, P + "prompt_tokens_total") == prompt
+    assert d(before, after, P + "generation_tokens_total") == gen
+    assert d(before, after, P + "time_to_first_token_seconds_count") == with_tokens
+    assert d(before, after, P + "e2e_request_latency_seconds_count") == n_done + 1
+    assert d(before, after, P + "request_prefill_time_seconds_count") == n_done
+    for reason in set(reasons):
+        assert d(before, after, P + "request_success_total", finished_reason=reason) == reasons.count(reason), reason
+    assert d(before, after, P + "request_success_total", finished_reason="abort") == 1
+    assert d(before, after, P + "request_aborts_total") == 1
+    assert d(before, after, P + "engine_aborts_total") == 1
+    # backend counters vs the gateway's sums (no preemption on this gateway)
+    assert d(before, after, P + "num_preemptions_total") == 0
+    assert d(before, after, P + "prefix_cache_queries_total") == prompt
+    assert d(before, after, P + "prefix_cache_hits_total") == d(before, after, P + "prompt_tokens_cached_total") >= 16
+    assert log_line(gp, "obs-e2e-1")["cached_tokens"] is not None
+    assert d(before, after, P + "engine_generation_tokens_total") >= gen
+    v1_ok = 1 + (1 if limited_key else 0)
+    assert d(before, after, P + "http_requests_total", path="/v1/chat/completions", status="200") == v1_ok
+    assert d(before, after, P + "http_requests_total", path="/v1/completions", status="200") == 1
+    assert d(before, after, P + "http_requests_total", path="/v1/chat/completions", status="429") == n429
+    assert d(before, after, P + "rate_limited_requests_total", kind="requests") == n429
+    assert d(before, after, P + "http_requests_total", path="/api/chat", status="200") == 2
+    assert d(before, after, P + "http_requests_total", path="/api/generate", status="200") == 2
+    assert sample_sum(after, P + "kv_cache_blocks_total") > 0
+
+    # --- the access log: fields present, no key, no prompt text
+    e1 = log_line(gp, "obs-e2e-1")
+    assert e1["status"] == 200 and e1["api"] == "openai" and e1["model"] == gp.model
+    assert e1["prompt_tokens"] == usages[0]["prompt_tokens"] and e1["completion_tokens"] == usages[0]["completion_tokens"]
+    assert e1["ttft_s"] > 0 and e1["prefill_s"] > 0 and e1["finish_reason"] == reasons[0]
+    assert "prompt" not in e1 and "output" not in e1
+    lines = [json.dumps(e) for e in access_lines(gp)]
+    assert not any(gp.api_key in x for x in lines)
+    if limited_key:
+        assert not any(limited_key in x for x in lines)
+    assert DISTINCT not in gp.log_path.read_text(errors="replace")
+    assert any(e["api"] == "ollama" for e in access_lines(gp))
+
+
+def test_preemption_counted_with_tiny_kv_pool(make_gateway):
+    # 7 blocks of 16 tokens; three 32-token prompts (2 blocks each, no shared prefix) whose first decode
+    # step needs a third block each: 9 > 7, so the newest running request is preempted and recomputed.
+    gp = make_gateway("--num-kv-blocks", "7")
+    before = scrape(gp)
+    rng = random.Random(time.time_ns())
+    rids = [f"obs-pre-{i}" for i in range(3)]
+    results: dict[str, httpx.Response] = {}
+
+    def one(i: int) -> None:
+        body = {"model": gp.model, "prompt": rng.sample(range(1000, 40000), 32), "temperature": 0, "max_tokens": 4, "ignore_eos": True}
+        results[rids[i]] = httpx.post(gp.base_url + "/v1/completions", json=body, headers={**gp.headers(), "x-request-id": rids[i]}, timeout=300)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(results[r].status_code == 200 for r in rids), {r: results[r].text for r in results}
+    after = scrape(gp)
+    pre = sum(log_line(gp, r)["preemptions"] for r in rids)
+    assert pre >= 1, [log_line(gp, r) for r in rids]
+    assert d(before, after, P + "num_preemptions_total") == pre
+    assert d(before, after, P + "time_to_first_token_seconds_count") == 3
+    assert d(before, after, P + "request_success_total", finished_reason="length") == 3
+    assert d(before, after, P + "generation_tokens_total") == 12
+    assert d(before, after, P + "prompt_tokens_total") == 96
+    assert sample_sum(after, P + "kv_cache_blocks_total") == 7
