@@ -59,7 +59,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "content_filter")
 
-StatsSource = Callable[[], Awaitable[Any]]  # -> Stats | list[Stats] | dict[str, Stats] | None
+StatsSource = Callable[[], Awaitable[Any]]  # -> Stats | list[Stats] | {backend: Stats | (Stats, epoch)} | None
 
 
 class BackendStatsCollector:
@@ -87,16 +87,25 @@ class BackendStatsCollector:
         self._model_name = model_name
         self._last: dict[str, Any] = {}
         self._offset: dict[str, dict[str, float]] = {}
+        self._epoch: dict[str, Any] = {}
 
-    def update(self, stats: Any, backend: str = "0") -> None:
-        """Take a new ``Stats`` for ``backend`` (a short id such as "0"), detecting counter resets."""
+    def update(self, stats: Any, backend: str = "0", epoch: Any = None) -> None:
+        """Take a new ``Stats`` for ``backend`` (a short id such as "0"), detecting counter resets.
+
+        ``epoch`` (e.g. the supervisor's restart count) marks a new backend
+        process: when it changes, every counter restarts from zero even if the
+        new process already counted past the old values between two polls.
+        """
         prev = self._last.get(backend)
         off = self._offset.setdefault(backend, {k: 0.0 for k in self.COUNTERS})
+        new_epoch = epoch is not None and backend in self._epoch and self._epoch[backend] != epoch
         if prev is not None:
             for field in self.COUNTERS:
                 old, new = getattr(prev, field, 0) or 0, getattr(stats, field, 0) or 0
-                if new < old:  # backend restarted: keep what it had counted
+                if new_epoch or new < old:  # backend restarted: keep what it had counted
                     off[field] += old
+        if epoch is not None:
+            self._epoch[backend] = epoch
         self._last[backend] = stats
 
     def counter_value(self, field: str, backend: str = "0") -> float:
@@ -188,9 +197,9 @@ class GatewayMetrics:
         """An async callable giving fresh backend ``Stats`` (or a list / {backend_id: Stats}); polled by ``render``."""
         self._stats_source = source
 
-    def update_backend_stats(self, stats: Any, backend: str = "0") -> None:
-        """Feed one backend ``Stats`` (from a poll or an unsolicited message)."""
-        self.backend.update(stats, backend)
+    def update_backend_stats(self, stats: Any, backend: str = "0", epoch: Any = None) -> None:
+        """Feed one backend ``Stats`` (from a poll or an unsolicited message); ``epoch``: see ``BackendStatsCollector.update``."""
+        self.backend.update(stats, backend, epoch)
 
     # ------------------------------------------------------------------ labels
 
@@ -275,7 +284,10 @@ class GatewayMetrics:
                     return
                 if isinstance(got, dict):
                     for b, s in got.items():
-                        self.update_backend_stats(s, str(b))
+                        if isinstance(s, tuple):  # (Stats, epoch)
+                            self.update_backend_stats(s[0], str(b), s[1])
+                        else:
+                            self.update_backend_stats(s, str(b))
                 elif isinstance(got, (list, tuple)):
                     for i, s in enumerate(got):
                         self.update_backend_stats(s, str(i))
@@ -341,7 +353,7 @@ def sample_sum(samples: dict, name: str, **labels: str) -> float:
 
 
 def pool_stats_source(pool: Any, metrics: "GatewayMetrics | None" = None) -> StatsSource:
-    """A stats source over a ``BackendPool``: ``{supervisor.name: Stats}`` of its live clients.
+    """A stats source over a ``BackendPool``: ``{supervisor.name: (Stats, supervisor.restarts)}`` of its live clients.
 
     Also keeps ``metrics.model_name`` in step with the pool's model card. A
     backend whose poll fails is skipped (its last counters are kept).
@@ -357,7 +369,7 @@ def pool_stats_source(pool: Any, metrics: "GatewayMetrics | None" = None) -> Sta
             if c is None or not getattr(c, "alive", False):
                 continue
             try:
-                out[sup.name] = await c.get_stats()
+                out[sup.name] = (await c.get_stats(), getattr(sup, "restarts", None))
             except Exception:  # noqa: BLE001 - one dead backend must not hide the others
                 log.debug("stats poll of %s failed", sup.name, exc_info=True)
         return out

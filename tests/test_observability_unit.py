@@ -169,6 +169,10 @@ async def test_backend_counters_survive_restart_and_gauges():
     assert sample_sum(s2, "gateway:num_preemptions_total") == 5
     assert sample_sum(s2, "gateway:prefix_cache_queries_total") == 110
     assert sample_sum(s2, "gateway:num_requests_running") == 0
+    # a new backend process (epoch) that already counted past the old values between two polls
+    m.update_backend_stats(Stats(preemptions=1), "b", epoch=0)
+    m.update_backend_stats(Stats(preemptions=3), "b", epoch=1)
+    assert m.backend.counter_value("preemptions", "b") == 4
     # a failing source does not break rendering
     async def broken():
         raise ConnectionError("backend gone")
