@@ -251,7 +251,8 @@
       controller = null;
       busy(false);
       div.dataset.state = state;
-      setStatus(state === "done" ? "Ready." : state);
+      setStatus({ done: "Ready.", stopped: "Stopped.", error: "Error: see the message.", filtered: "Prompt blocked.",
+                  cut: "Answer cut by the content filter." }[state] || state);
       if (state !== "error" && state !== "filtered") {
         history.push(userMsg);
         if (answer) history.push({ role: "assistant", content: answer });
