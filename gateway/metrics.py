@@ -397,8 +397,15 @@ def instrument(app: Any, gw: Any = None, *, tenant_label: bool = False, log_cont
 
     from gateway.request_log import ObservabilityMiddleware, configure_access_log
 
+    import os
+
     if gw is None:
         gw = app.state.gateway
+    # Environment switches (until/besides the CLI flags): GATEWAY_METRICS_TENANT_LABEL=1, GATEWAY_LOG_CONTENT=1,
+    # GATEWAY_ACCESS_LOG=-|PATH|off
+    tenant_label = tenant_label or os.environ.get("GATEWAY_METRICS_TENANT_LABEL", "") in ("1", "true", "yes")
+    log_content = log_content or os.environ.get("GATEWAY_LOG_CONTENT", "") in ("1", "true", "yes")
+    access_log = os.environ.get("GATEWAY_ACCESS_LOG", access_log)
     m = metrics or GatewayMetrics(tenant_label=tenant_label)
     pool = getattr(gw, "pool", None)
     if pool is not None:
