@@ -621,12 +621,15 @@ class TenancyMiddleware:
       pass; ``/admin/...`` requires the admin key (:meth:`Tenancy.require_admin`); everything else -- aliases,
       trailing slashes, ``..`` paths, unknown paths -- requires a tenant key, and the principal is put in
       ``scope["state"]["principal"]`` (``request.state.principal`` in starlette).
-    Errors are answered here with OpenAI's body (401/403).
+    Errors are answered here with OpenAI's body (401/403). With ``rate_limit_headers`` (default) every
+    response to a tenant request that lacks ``x-ratelimit-*`` headers gets the current ones
+    (:meth:`Tenancy.peek_headers`), so e.g. ``/v1/models`` and 4xx answers carry them too.
     """
 
     def __init__(self, app, tenancy: Tenancy, *, public_paths: frozenset[str] | set[str] = PUBLIC_PATHS,
-                 public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES) -> None:
+                 public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES, rate_limit_headers: bool = True) -> None:
         self.app = app
+        self.rate_limit_headers = rate_limit_headers
         self.tenancy = tenancy
         self.public_paths = frozenset(public_paths)
         self.public_prefixes = tuple(public_prefixes)
@@ -674,7 +677,26 @@ class TenancyMiddleware:
         except APIError as e:
             await send_error(send, e)
             return
-        await self.app(scope, receive, send)
+        if kind != "tenant" or not self.rate_limit_headers:
+            await self.app(scope, receive, send)
+            return
+        principal = scope["state"]["principal"]
+
+        async def send_with_headers(message) -> None:
+            # every tenant response carries x-ratelimit-*: the admission's (set by the handler) or the current
+            if message["type"] == "http.response.start":
+                names = {k.lower() for k, _ in message.get("headers") or []}
+                if b"x-ratelimit-limit-requests" not in names and b"x-ratelimit-limit-tokens" not in names:
+                    try:
+                        extra = await self.tenancy.peek_headers(principal)
+                    except Exception:  # noqa: BLE001 - headers are best effort
+                        extra = {}
+                    if extra:
+                        message = {**message, "headers": [*(message.get("headers") or []),
+                                                          *((k.encode(), v.encode()) for k, v in extra.items())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 async def send_error(send, e: APIError) -> None:
