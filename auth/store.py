@@ -252,6 +252,19 @@ class Store:
         return [self._key(r) for r in self.conn.execute(
             "SELECT * FROM api_keys WHERE tenant_id = ? ORDER BY created_at, id", (tenant_id,))]
 
+    def update_key(self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ...) -> KeyRecord | None:
+        """Change a key's name, expiry (UNIX s or None) or own limits (Limits or None); ``...`` = unchanged."""
+        sets, args = [], []
+        if name is not ...:
+            sets.append("name = ?"); args.append(name)
+        if expires_at is not ...:
+            sets.append("expires_at = ?"); args.append(expires_at)
+        if limits is not ...:
+            sets.append("limits = ?"); args.append(json.dumps(limits.to_dict()) if limits else None)
+        if sets:
+            self.conn.execute(f"UPDATE api_keys SET {', '.join(sets)} WHERE id = ?", (*args, key_id))
+        return self.get_key(key_id)
+
     def revoke_key(self, key_id: str) -> KeyRecord | None:
         self.conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id))
         return self.get_key(key_id)

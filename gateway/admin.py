@@ -8,6 +8,7 @@ Routes (relative to the mount point ``/admin/v1``)::
     POST   /tenants/{id}/keys           {name?, expires_at?, limits?}               -> 201 key (secret shown once)
     GET    /tenants/{id}/keys                                                        -> keys (prefixes only)
     DELETE /keys/{key_id}                                                            -> revoked key
+    GET    /keys/{key_id}   PATCH {name?, expires_at?, limits?}                      -> key (limits: the key's own)
     GET|PUT /tenants/{id}/limits        {rpm, tpm, max_concurrent, daily_tokens, window_s?}  (null = unlimited)
     GET    /tenants/{id}/usage?since=&until=   (UNIX seconds or ISO-8601 dates/times, UTC)
     GET|PUT /tenants/{id}/filters       opaque JSON, validated by gateway.filters.parse_config
@@ -222,6 +223,42 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
         tenancy.invalidate()
         return JSONResponse({**rec.public(), "revoked": True})
 
+    def expiry(v: Any) -> float | None:
+        if isinstance(v, str):
+            return _parse_time(v, "expires_at")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise InvalidRequest("expires_at must be UNIX seconds or an ISO-8601 time", param="expires_at")
+        return v
+
+    @handler
+    async def get_key(request: Request):
+        rec = await store.call(Store.get_key, request.path_params["key_id"])
+        if rec is None:
+            raise NotFound("No such API key.", param="key_id", code="key_not_found")
+        return JSONResponse(rec.public())
+
+    @handler
+    async def patch_key(request: Request):
+        kid = request.path_params["key_id"]
+        if await store.call(Store.get_key, kid) is None:
+            raise NotFound("No such API key.", param="key_id", code="key_not_found")
+        body = _obj(await _json(request))
+        unknown = set(body) - {"name", "expires_at", "limits"}
+        if unknown:
+            raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
+        kw: dict[str, Any] = {}
+        if "name" in body:
+            if body["name"] is not None and not isinstance(body["name"], str):
+                raise InvalidRequest("name must be a string", param="name")
+            kw["name"] = body["name"]
+        if "expires_at" in body:
+            kw["expires_at"] = expiry(body["expires_at"])
+        if "limits" in body:
+            kw["limits"] = _limits(body["limits"], "limits") if body["limits"] is not None else None
+        rec = await store.call(Store.update_key, kid, **kw)
+        tenancy.invalidate()
+        return JSONResponse(rec.public())
+
     @handler
     async def get_limits(request: Request):
         return JSONResponse((await tenant_or_404(request)).limits.to_dict())
@@ -268,6 +305,8 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
         Route("/tenants/{tenant_id}/keys", create_key, methods=["POST"]),
         Route("/tenants/{tenant_id}/keys", list_keys, methods=["GET"]),
         Route("/keys/{key_id}", revoke_key, methods=["DELETE"]),
+        Route("/keys/{key_id}", get_key, methods=["GET"]),
+        Route("/keys/{key_id}", patch_key, methods=["PATCH"]),
         Route("/tenants/{tenant_id}/limits", get_limits, methods=["GET"]),
         Route("/tenants/{tenant_id}/limits", put_limits, methods=["PUT"]),
         Route("/tenants/{tenant_id}/usage", get_usage, methods=["GET"]),
@@ -437,7 +476,12 @@ def openapi_spec() -> dict[str, Any]:
     P[f"{A}/keys/{{key_id}}"] = {
         "parameters": [{"name": "key_id", "in": "path", "required": True, "schema": {"type": "string"}}],
         "delete": {"summary": "Revoke a key", "security": admin,
-                   "responses": {"200": _resp("revoked", ref("ApiKey")), **_errors(401, 403, 404)}}}
+                   "responses": {"200": _resp("revoked", ref("ApiKey")), **_errors(401, 403, 404)}},
+        "get": {"summary": "Get a key (prefix only)", "security": admin,
+                "responses": {"200": _resp("key", ref("ApiKey")), **_errors(401, 403, 404)}},
+        "patch": {"summary": "Change a key's name, expiry or own limits (applies at once)", "security": admin,
+                  "requestBody": {"required": True, "content": {"application/json": {"schema": ref("ApiKeyCreate")}}},
+                  "responses": {"200": _resp("key", ref("ApiKey")), **_errors(400, 401, 403, 404)}}}
     P[f"{A}/tenants/{{tenant_id}}/limits"] = {
         "parameters": [tid],
         "get": {"summary": "Get limits", "security": admin,

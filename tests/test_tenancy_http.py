@@ -146,6 +146,14 @@ async def test_admin_flow_and_security(env, caplog, capfd):
         assert p in spec["paths"], p
     assert set(spec["paths"]["/admin/v1/tenants/{tenant_id}"]) >= {"get", "patch", "delete"}
 
+    # per-key limits via PATCH /keys/{id}: apply at once
+    r = await c.patch(f"/admin/v1/keys/{kb['id']}", json={"limits": {"rpm": 1}, "name": "b2"}, headers=A)
+    assert r.status_code == 200 and r.json()["limits"]["rpm"] == 1 and r.json()["name"] == "b2"
+    codes = [(await c.post("/v1/chat/completions", json={}, headers=bearer(key_b))).status_code for _ in range(2)]
+    assert codes == [200, 429]
+    assert (await c.get(f"/admin/v1/keys/{kb['id']}", headers=A)).json()["prefix"] == kb["prefix"]
+    assert (await c.patch("/admin/v1/keys/key_nope", json={}, headers=A)).status_code == 404
+
     # revoke B's key: 401 at once
     r = await c.delete(f"/admin/v1/keys/{kb['id']}", headers=A)
     assert r.status_code == 200 and r.json()["revoked_at"]
