@@ -21,7 +21,6 @@ applies to the next request at once. Errors: 400 (bad body), 401/403 (admin key)
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
