@@ -121,13 +121,26 @@ class Gateway:
             return None
         return await self.tenancy.authenticate(request)
 
-    def admission(self, principal: Any, prompt_tokens: int, max_tokens: int) -> Any:
+    def admission(self, principal: Any, prompt_tokens: int, max_tokens: int, model: str) -> Any:
+        """``factory(request_id)`` -> tenancy admission context (429 ``RateLimited`` on enter), or None."""
         if self.tenancy is None or principal is None:
             return None
-        return self.tenancy.admit(principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+        tenancy = self.tenancy
+        return lambda rid: tenancy.admit(principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=rid)
 
-    def check_admin(self, request: Request) -> None:
+    def output_filter(self, principal: Any) -> Any:
+        """``factory()`` -> a per-choice output filter for this tenant, or None (no output-stage hook)."""
+        if self.filters is None:
+            return None
+        if self.filters.output_filter(principal) is None:
+            return None
+        return lambda: self.filters.output_filter(principal)
+
+    async def check_admin(self, request: Request) -> None:
         """Bearer admin key check. Raises AuthenticationError (401) / PermissionDenied (403)."""
+        if self.tenancy is not None:
+            await self.tenancy.require_admin(request)
+            return
         key = self.config.admin_key
         auth = request.headers.get("authorization", "")
         if not auth.lower().startswith("bearer "):
@@ -260,8 +273,8 @@ async def chat_completions(request: Request) -> Any:
         gw, kind="chat", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
         include_stop=req.include_stop_str_in_output, logprobs="chat" if req.logprobs else None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n),
-        record=rec, t_arrival=t0,
+        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n, model),
+        record=rec, t_arrival=t0, output_filter=gw.output_filter(principal),
     )
     return CallResponse(gen.stream if req.stream else gen.complete)
 
@@ -285,6 +298,8 @@ async def completions(request: Request) -> Any:
     if lp is not None and (lp < 0 or lp > MAX_COMPLETION_LOGPROBS):
         raise InvalidRequest(f"Invalid value for 'logprobs': {lp} (must be between 0 and {MAX_COMPLETION_LOGPROBS}).", param="logprobs", code="invalid_value")
     p = req.prompt
+    if gw.filters is not None and isinstance(p, str):  # prompt hooks see a raw prompt as one user message
+        p = (await gw.filters.check_prompt(principal, [{"role": "user", "content": p}]))[0]["content"]
     if isinstance(p, str):
         ids = gw.tokenizer.encode_plain(p)
     elif p and all(isinstance(x, int) for x in p):
@@ -308,8 +323,8 @@ async def completions(request: Request) -> Any:
         gw, kind="completion", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
         include_stop=req.include_stop_str_in_output, logprobs="completion" if lp is not None else None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n),
-        record=rec, t_arrival=t0,
+        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n, model),
+        record=rec, t_arrival=t0, output_filter=gw.output_filter(principal),
     )
     return CallResponse(gen.stream if req.stream else gen.complete)
 
@@ -346,7 +361,7 @@ async def readyz(request: Request) -> Response:
 async def admin_stats(request: Request) -> Response:
     """GET /admin/v1/stats: summed backend ``Stats`` + per-backend supervisor state (Bearer admin key)."""
     gw: Gateway = request.app.state.gateway
-    gw.check_admin(request)
+    await gw.check_admin(request)
     fields = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_queries",
               "prefix_cache_hits", "preemptions", "aborts", "requests_finished", "prompt_tokens", "generation_tokens", "steps")
     total: dict[str, Any] = {f: 0 for f in fields}

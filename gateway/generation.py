@@ -30,6 +30,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 import trio
 
 from backend.protocol import RequestOutput, SamplingParams, Submit, Timings
@@ -80,10 +81,11 @@ async def _no_admission():
 class ChoiceState:
     """Text pipeline and counters of one choice."""
 
-    __slots__ = ("index", "detok", "stops", "parts", "tokens", "finish", "usage", "timings", "lp", "offset")
+    __slots__ = ("index", "detok", "stops", "parts", "tokens", "finish", "usage", "timings", "lp", "offset", "of")
 
-    def __init__(self, index: int, detok: IncrementalDetokenizer, stops: StopMatcher) -> None:
+    def __init__(self, index: int, detok: IncrementalDetokenizer, stops: StopMatcher, of: Any = None) -> None:
         self.index = index
+        self.of = of  # the tenant's output filter (gateway.filters.OutputFilter) or None
         self.detok = detok
         self.stops = stops
         self.parts: list[str] = []  # emitted text (kept for non-streaming and completions offsets)
@@ -106,13 +108,15 @@ class Generation:
         stops: normalized stop strings; include_stop: keep the matched stop string.
         logprobs: "chat" (OpenAI chat shape), "completion" (legacy shape) or None.
         include_usage: streaming only: send the usage chunk before [DONE].
-        admission: async context manager yielding a reservation (tenancy), or None.
+        admission: ``admission(request_id)`` -> async context manager yielding a reservation (tenancy), or None.
+        output_filter: ``output_filter()`` -> a new per-choice output filter (gateway.filters) or None, or None.
         record: the observability ``RequestRecord`` or None.
     """
 
     def __init__(self, gw: Any, *, kind: str, model: str, prompt_ids: list[int], sampling: SamplingParams, stops: list[str],
                  include_stop: bool, logprobs: str | None, include_usage: bool, cache_salt: str = "",
-                 admission: Any = None, record: Any = None, t_arrival: float | None = None) -> None:
+                 admission: Any = None, record: Any = None, t_arrival: float | None = None,
+                 output_filter: Any = None) -> None:
         self.gw = gw
         self.kind = kind
         self.model = model
@@ -132,11 +136,14 @@ class Generation:
         self.created = int(time.time())
         tok = gw.tokenizer
         self.choices = [
-            ChoiceState(i, IncrementalDetokenizer(tok.id_to_bytes, tok.special_ids), StopMatcher(stops, include_stop_str_in_output=include_stop))
+            ChoiceState(i, IncrementalDetokenizer(tok.id_to_bytes, tok.special_ids), StopMatcher(stops, include_stop_str_in_output=include_stop),
+                        output_filter() if output_filter is not None else None)
             for i in range(self.n)
         ]
         self.open = self.n  # choices not finished (client's view)
         self.cached_tokens = 0
+        self.submitted = False
+        self.filtered = any(st.of is not None for st in self.choices)
 
     # ------------------------------------------------------------------ per output
     def apply(self, out: RequestOutput) -> tuple[ChoiceState | None, str, list | None, str | None]:
@@ -177,11 +184,12 @@ class Generation:
             self.cached_tokens = max(self.cached_tokens, out.usage.cached_tokens)
         if out.timings is not None:
             st.timings = out.timings
-        if text:
-            st.parts.append(text)
-        if fin is not None:
-            st.finish = fin
-            self.open -= 1
+        if st.of is None:
+            if text:
+                st.parts.append(text)
+            if fin is not None:
+                st.finish = fin
+                self.open -= 1
         rec = self.record
         if rec is not None:
             try:
@@ -194,6 +202,22 @@ class Generation:
         if ids and self.t_first is None:
             self.t_first = time.perf_counter()
         return st, text, lps, fin
+
+    async def filt(self, st: ChoiceState, text: str, fin: str | None) -> tuple[str, str | None]:
+        """Pass a choice's text through its output filter (content filters, Azure semantics): returns the
+        text safe to send now and the finish reason ("content_filter" when the filter cut the output)."""
+        of = st.of
+        if st.finish is not None:
+            return "", None
+        safe = await of.step(text, fin is not None)
+        if of.cut:
+            fin = "content_filter"
+        if safe:
+            st.parts.append(safe)
+        if fin is not None:
+            st.finish = fin
+            self.open -= 1
+        return safe, fin
 
     # ------------------------------------------------------------------ shapes
     def _token_str(self, tid: int) -> str:
@@ -257,6 +281,14 @@ class Generation:
         return self._chunk([CompletionChoice(st.index, text, lp, None)])
 
     def _finish_chunk(self, st: ChoiceState) -> bytes:
+        if st.finish == "content_filter" and st.of is not None and st.of.result:
+            obj = msgspec.to_builtins(ChatChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model,
+                                                choices=[ChunkChoice(st.index, Delta(), None, st.finish)], timings=self.timings(st)))
+            if self.kind != "chat":
+                obj = msgspec.to_builtins(Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
+                                                     choices=[CompletionChoice(st.index, "", None, st.finish)], timings=self.timings(st)))
+            obj["choices"][0]["content_filter_results"] = st.of.result
+            return encode(obj)
         if self.kind == "chat":
             return self._chunk([ChunkChoice(st.index, Delta(), None, st.finish)], timings=self.timings(st))
         return self._chunk([CompletionChoice(st.index, "", None, st.finish)], timings=self.timings(st))
@@ -266,13 +298,26 @@ class Generation:
         return Submit(request_id=self.id, prompt_ids=self.prompt_ids, sampling=self.sampling, cache_salt=self.cache_salt, arrival_time=time.time())
 
     def _admission(self):
-        return self.admission if self.admission is not None else _no_admission()
+        return self.admission(self.id) if self.admission is not None else _no_admission()
 
-    def _finish_reservation(self, res: Any, status: str) -> None:
+    def _finish_reservation(self, res: Any, status: int) -> None:
+        """Tell tenancy what to bill: completion tokens so far (all choices), cached tokens, finish reason,
+        HTTP-like status (200 ok, 499 client gone, else the error's status), timings in seconds.
+        A request that never reached the backend bills nothing (prompt_tokens=0)."""
         try:
             u = self.usage()
+            t = self.timings()
+            secs = {"total_s": t["total_duration"] / _NS}
+            if "ttft_duration" in t:
+                secs["ttft_s"] = t["ttft_duration"] / _NS
+            if "backend_ttft_duration" in t:
+                secs["backend_ttft_s"] = t["backend_ttft_duration"] / _NS
+            kw: dict[str, Any] = {}
+            if not self.submitted:
+                kw["prompt_tokens"] = 0
             res.finish(completion_tokens=u.completion_tokens, cached_tokens=u.prompt_tokens_details.cached_tokens,
-                       finish_reason=self.final_reason(), status=status, timings=self.timings())
+                       finish_reason=self.final_reason() or ("abort" if status == 499 else "error" if status != 200 else None),
+                       status=status, timings=secs, model=self.model, **kw)
         except Exception:  # noqa: BLE001 - billing bookkeeping must not break the response
             import logging
 
@@ -291,12 +336,14 @@ class Generation:
                 self.record.on_submit(len(self.prompt_ids))
             except Exception:  # noqa: BLE001
                 pass
-        return client.open_request(self._submit())
+        handle = client.open_request(self._submit())
+        self.submitted = True
+        return handle
 
     async def stream(self, w: ResponseWriter) -> None:
         """Producer for ``stream: true``: SSE chunks, heartbeats, optional usage chunk, [DONE]."""
         hb = self.gw.config.heartbeat_s
-        status = "error"
+        status = 500
         async with self._admission() as res:
             try:
                 with await self._start_request() as handle:
@@ -327,19 +374,21 @@ class Generation:
                         st, text, lps, fin = self.apply(out)  # type: ignore[arg-type]
                         if st is None:
                             continue
+                        if st.of is not None:
+                            text, fin = await self.filt(st, text, fin)
                         if text or lps:
                             await w.event(self._delta_chunk(st, text, lps))
                         if fin is not None:
                             await w.event(self._finish_chunk(st))
-                status = "ok"
+                status = 200
                 if self.include_usage:
                     await w.event(self._chunk([], usage=self.usage(), timings=self.timings()))
                 await w.done()
             except APIError as exc:
-                status = "error"
+                status = exc.status
                 await w.error(exc)
             except trio.Cancelled:
-                status = "cancelled"  # the client went away
+                status = 499  # the client went away
                 raise
             finally:
                 with trio.CancelScope(shield=True):
@@ -353,6 +402,8 @@ class Generation:
                 if out is None:
                     raise InternalError("The inference backend ended the request without finishing it.", code="backend_error")
                 st, text, lps, fin = self.apply(out)
+                if st is not None and st.of is not None:
+                    text, fin = await self.filt(st, text, fin)
                 if st is not None and lps is not None:
                     if st.lp is None:
                         st.lp = []
@@ -366,16 +417,17 @@ class Generation:
 
     async def complete(self, w: ResponseWriter) -> None:
         """Producer for non-streaming requests: one JSON body with every choice, usage and timings."""
-        status = "error"
+        status = 500
         async with self._admission() as res:
             try:
                 await self.collect()
-                status = "ok"
+                status = 200
                 await w.json(200, self.body(), res.headers)
             except APIError as exc:
+                status = exc.status
                 await w.error(exc)
             except trio.Cancelled:
-                status = "cancelled"  # the client went away
+                status = 499  # the client went away
                 raise
             finally:
                 with trio.CancelScope(shield=True):

@@ -100,9 +100,8 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
         tokenizer = await trio.to_thread.run_sync(cached_tokenizer, tok_path)
         template = ChatTemplate(tokenizer, card.chat_template if card and card.chat_template else None)
         gw = Gateway(config, pool, tokenizer, template)
-        app, extra_routes, middleware = await _plugins(gw, args)
-        app = build_app(gw, extra_routes=extra_routes, middleware=middleware)
-        asgi = _wrap(app, gw)
+        extra_routes, middleware = await _plugins(gw, args, nursery)
+        asgi = _wrap(build_app(gw, extra_routes=extra_routes, middleware=middleware), gw)
 
         from hypercorn.config import Config
         from hypercorn.trio import serve as hyper_serve
@@ -125,24 +124,55 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
         base = f"http://{args.host}:{args.port}"
         name = gw.model_names()[0] if gw.model_names() else "model"
         print(f"Gateway ready on {base} (model {name!r}, backends: {', '.join(s.url for s in sups)})\n"
-              f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"  curl {base}/v1/chat/completions -H \"Authorization: Bearer $API_KEY\" -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
+        if gw.tenancy is not None:
+            key = gw.tenancy.default_key
+            print(f"  API_KEY={key}  (tenant 'default', created now; shown once)" if key else
+                  "  API_KEY: a tenant key (create one: POST /admin/v1/tenants/{id}/keys with the admin key)", flush=True)
         log.info("listening on %s", bound)
         await done.wait()
         log.info("HTTP server stopped; stopping backends")
         with trio.move_on_after(15):
             await pool.stop(grace=10.0)
+        if gw.tenancy is not None:
+            with trio.move_on_after(10):
+                await gw.tenancy.aclose()  # flush the usage ledger
         nursery.cancel_scope.cancel()
 
 
-async def _plugins(gw: Gateway, args: argparse.Namespace) -> tuple[Any, list, list]:
-    """Wire in other areas' modules when present (tenancy, filters, observability)."""
-    return None, [], []
+async def _plugins(gw: Gateway, args: argparse.Namespace, nursery: trio.Nursery) -> tuple[list, list]:
+    """Wire in the other areas' parts: tenancy (auth, admission, admin API, usage ledger; started in
+    ``nursery``), per-tenant content filters, and the playground (``/`` + ``/static``)."""
+    from starlette.middleware import Middleware
+    from starlette.responses import FileResponse
+    from starlette.routing import Mount, Route
+    from starlette.staticfiles import StaticFiles
+
+    from gateway.filters import TenantFilters
+    from gateway.tenancy import DEFAULT_DB_PATH, Tenancy, TenancyMiddleware
+
+    tenancy = Tenancy(args.db or DEFAULT_DB_PATH, redis_url=args.redis_url, admin_key=args.admin_key)
+    await tenancy.start(nursery)
+    gw.tenancy = tenancy
+    gw.filters = TenantFilters()
+    static = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+
+    async def index(request):
+        return FileResponse(os.path.join(static, "index.html"), headers={"cache-control": "no-cache"})
+
+    routes: list = [Mount("/admin/v1", routes=tenancy.routes()), *tenancy.openapi_routes(), *tenancy.tenant_routes()]
+    if os.path.isdir(static):
+        routes += [Route("/", index, methods=["GET"]), Mount("/static", StaticFiles(directory=static), name="static")]
+    return routes, [Middleware(TenancyMiddleware, tenancy=tenancy)]
 
 
 def _wrap(app: Any, gw: Gateway) -> Any:
-    return app
+    """CORS outermost (preflights answered before auth; error responses get CORS headers too, C30)."""
+    from gateway.cors import CORSMiddleware, cors_origins_from_env
+
+    return CORSMiddleware(app, origins=cors_origins_from_env())
 
 
 async def _signals(shutdown: trio.Event, pool: BackendPool, scope: trio.CancelScope) -> None:

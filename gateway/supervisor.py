@@ -42,6 +42,40 @@ class SpawnSpec:
     startup_timeout: float = 600.0  # seconds to wait for the socket + handshake
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM us when the gateway dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # noqa: BLE001 - not Linux: best effort
+        pass
+
+
+class _Proc:
+    """A ``subprocess.Popen`` with an async ``wait`` (polls every 50 ms; the socket EOF is the fast signal)."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        while self.popen.poll() is None:
+            await trio.sleep(0.05)
+        return self.popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class BackendSupervisor:
     """Supervises one backend (spawned when ``spawn`` is given, else external at ``url``)."""
 
@@ -64,7 +98,7 @@ class BackendSupervisor:
         self.pid: int | None = None
         self.last_error: str | None = None
         self._stopping = False
-        self._proc: trio.Process | None = None
+        self._proc: _Proc | None = None
         self._cancel: trio.CancelScope | None = None
 
     # ------------------------------------------------------------------ handler side
@@ -140,7 +174,7 @@ class BackendSupervisor:
         if not started:
             task_status.started()
 
-    async def _start_process(self) -> trio.Process:
+    async def _start_process(self) -> "_Proc":
         spec = self.spawn
         assert spec is not None
         sock = self.url[5:]
@@ -150,9 +184,13 @@ class BackendSupervisor:
             pass
         cmd = [spec.python, "-m", "backend", "--model", spec.model, "--listen", self.url, *spec.extra_args]
         log.info("starting backend: %s", " ".join(cmd))
-        return await trio.lowlevel.open_process(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        # Own session (a terminal's Ctrl-C reaches only the gateway, which drains then stops the backend),
+        # and a parent-death signal so that a SIGKILLed gateway never leaves an orphan backend (Linux).
+        # Popen runs here, in the Trio thread: PR_SET_PDEATHSIG fires when the *forking thread* exits, so a
+        # worker thread (what trio.lowlevel.open_process uses) would kill the backend when it is recycled.
+        return _Proc(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent))
 
-    async def _watch_process(self, proc: trio.Process, scope: trio.CancelScope) -> None:
+    async def _watch_process(self, proc: "_Proc", scope: trio.CancelScope) -> None:
         rc = await proc.wait()
         self.last_error = f"backend process exited with code {rc}"
         log.warning("%s: %s", self.name, self.last_error)

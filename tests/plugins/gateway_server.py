@@ -97,8 +97,17 @@ class GatewayProc:
 
 
 def _setup_tenancy(gp: GatewayProc) -> None:
-    """If the tenancy admin API is served, create a tenant and an API key for the tests (else keep the dummy key)."""
-    return None
+    """If the tenancy admin API is served, create a tenant (no limits) and an API key for the tests."""
+    A = gp.admin_headers()
+    r = httpx.post(gp.base_url + "/admin/v1/tenants", json={"name": "gateway-tests-" + os.urandom(4).hex()}, headers=A, timeout=30)
+    if r.status_code == 404:
+        return  # tenancy not wired: no auth, the dummy key is ignored
+    assert r.status_code == 201, r.text
+    tid = r.json()["id"]
+    r = httpx.post(gp.base_url + f"/admin/v1/tenants/{tid}/keys", json={"name": "tests"}, headers=A, timeout=30)
+    assert r.status_code == 201, r.text
+    gp.api_key = r.json()["key"]
+    gp.extra["tenant_id"] = tid
 
 
 def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = None) -> GatewayProc:
