@@ -321,6 +321,21 @@ def _content_error_fields(body: bytes) -> tuple[str | None, str | None]:
     return _str_or_none(obj.get("type")), _str_or_none(obj.get("code"))
 
 
+def _principal_tenant(scope: dict) -> str | None:
+    """Tenant id of the principal an auth middleware left in ``scope["state"]["principal"]``, if any."""
+    state = scope.get("state")
+    principal = state.get("principal") if isinstance(state, dict) else None
+    if principal is None:
+        return None
+    for attr in ("tenant_id", "tenant"):
+        v = getattr(principal, attr, None)
+        if isinstance(v, str):
+            return v
+        if v is not None and isinstance(getattr(v, "id", None), str):
+            return v.id
+    return None
+
+
 def _str_or_none(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
@@ -425,6 +440,8 @@ class ObservabilityMiddleware:
             raise
         finally:
             rec.t_end = time.perf_counter()
+            if rec.tenant is None:
+                rec.tenant = _principal_tenant(scope)
             if rec.status is None:
                 rec.status = 500 if not response_started else rec.status
             if error_body and rec.error_type is None and rec.error_code is None:

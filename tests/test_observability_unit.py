@@ -19,6 +19,8 @@ from starlette.routing import Route
 
 from backend.protocol import Stats, Timings, Usage
 from gateway.errors import APIError, ContentFiltered, RateLimited
+from prometheus_client import generate_latest
+
 from gateway.metrics import GatewayMetrics, parse_exposition, sample_sum
 from gateway.request_log import ACCESS_LOGGER_NAME, ObservabilityMiddleware, get_record, valid_request_id
 
@@ -214,3 +216,27 @@ async def test_access_log_has_no_key_and_content_only_when_enabled(caplog, log_c
     assert SECRET_KEY not in lines[0]
     assert (PROMPT in lines[0]) is log_content
     assert ("tok1" in lines[0]) is log_content
+
+
+async def test_tenant_taken_from_auth_principal_when_handler_failed_early(caplog):
+    """A request refused before the handler named its tenant (e.g. a blocked prompt) is still logged and counted with it."""
+    from gateway.tenancy import Principal
+    from ratelimit.core import Limits
+
+    m = GatewayMetrics("m", tenant_label=True)
+    inner = make_app(m)
+
+    async def with_principal(scope, receive, send):  # what TenancyMiddleware leaves in the scope
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["principal"] = Principal("tn_x", "x", "key_1", "sk-gw-Ab", Limits())
+        await inner.app(scope, receive, send)
+
+    app = ObservabilityMiddleware(with_principal, m, known_paths=["/v1/chat/completions"])
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER_NAME)
+    async with client(app) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": [], "filter": True, "tenant": None})
+        assert r.status_code == 400
+    entry = json.loads([r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER_NAME][-1])
+    assert entry["tenant"] == "tn_x" and entry["error_code"] == "content_filter"
+    s = parse_exposition(generate_latest(m.registry).decode())
+    assert sample_sum(s, "gateway:content_filter_blocks_total", tenant="tn_x", stage="input") == 1
