@@ -46,6 +46,9 @@ ACCESS_LOGGER_NAME = "gateway.access"
 REQUEST_ID_HEADER = "x-request-id"
 SCOPE_KEY = "gateway.obs"  # ASGI scope key holding the RequestRecord
 _MAX_ERROR_BODY = 64 * 1024  # bytes of an error body read to find error.code/type
+# Sent by the pipeline when an output filter cut a response (OpenAI ``finish_reason``, Ollama ``done_reason``);
+# JSON-escaped model text cannot contain it (its quotes would be ``\"``).
+_CUT_MARK = b'_reason":"content_filter"'
 # A client-supplied id is kept when it is 1..128 chars of this safe set; otherwise a new one is made.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@\-]{1,128}$")
 
@@ -414,9 +417,10 @@ class ObservabilityMiddleware:
         error_body = bytearray()
         capture = False
         response_started = False
+        content_cut = False  # a "..._reason":"content_filter" was sent (output filter cut the response)
 
         async def send_wrapper(message: dict) -> None:
-            nonlocal capture, response_started
+            nonlocal capture, response_started, content_cut
             t = message["type"]
             if t == "http.response.start":
                 response_started = True
@@ -425,9 +429,13 @@ class ObservabilityMiddleware:
                 message = {**message, "headers": headers}
                 rec.status = int(message["status"])
                 capture = rec.status >= 400
-            elif t == "http.response.body" and capture:
-                if len(error_body) < _MAX_ERROR_BODY:
-                    error_body.extend(message.get("body", b"")[: _MAX_ERROR_BODY - len(error_body)])
+            elif t == "http.response.body":
+                body = message.get("body", b"")
+                if capture:
+                    if len(error_body) < _MAX_ERROR_BODY:
+                        error_body.extend(body[: _MAX_ERROR_BODY - len(error_body)])
+                elif _CUT_MARK in body:
+                    content_cut = True
             await send(message)
 
         if self.metrics is not None:
@@ -446,6 +454,8 @@ class ObservabilityMiddleware:
                 rec.status = 500 if not response_started else rec.status
             if error_body and rec.error_type is None and rec.error_code is None:
                 rec.error_type, rec.error_code = _content_error_fields(bytes(error_body))
+            if content_cut:
+                rec.finish_reason = "content_filter"
             if rec.submitted and rec.finish_reason is None:
                 # The response ended (client gone, cancelled, or failed) before the backend finished it.
                 rec.finish_reason = "abort" if (rec.status or 500) < 400 else "error"

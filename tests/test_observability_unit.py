@@ -78,8 +78,17 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    async def cut(request: Request):
+        """An output filter cut the response after one token (the backend finished it as "length")."""
+        rec = get_record(request)
+        rec.model = "m"
+        rec.on_submit(5)
+        rec.on_tokens(1, text="x")
+        rec.on_finish("length", Usage(prompt_tokens=5, completion_tokens=1), Timings(prefill=0.001))
+        return JSONResponse({"choices": [{"index": 0, "message": {"content": ""}, "finish_reason": "content_filter"}]})
+
     app = Starlette(
-        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/abort", abort), Route("/boom", boom), Route("/stream", stream), Route("/metrics", metrics.endpoint)],
+        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/abort", abort), Route("/boom", boom), Route("/stream", stream), Route("/cut", cut), Route("/metrics", metrics.endpoint)],
         exception_handlers={APIError: api_error},
     )
     return ObservabilityMiddleware(app, metrics, log_content=log_content)
@@ -131,10 +140,11 @@ async def test_request_metrics_exact():
         assert r.status_code == 400
         assert (await c.get("/abort")).status_code == 200
         assert (await c.get("/stream")).status_code == 200
+        assert (await c.get("/cut")).status_code == 200
         a = await scrape(c)
     P = "gateway:"
-    assert delta(b, a, P + "prompt_tokens_total") == 7 * 3 + 5
-    assert delta(b, a, P + "generation_tokens_total") == 3 + 2 + 0 + 2 + 4
+    assert delta(b, a, P + "prompt_tokens_total") == 7 * 3 + 5 + 5
+    assert delta(b, a, P + "generation_tokens_total") == 3 + 2 + 0 + 2 + 4 + 1
     assert delta(b, a, P + "prompt_tokens_cached_total") == 4
     assert delta(b, a, P + "request_success_total", finished_reason="length") == 1
     assert delta(b, a, P + "request_success_total", finished_reason="stop") == 3
@@ -143,14 +153,16 @@ async def test_request_metrics_exact():
     assert delta(b, a, P + "rate_limited_requests_total", kind="tokens") == 1
     assert delta(b, a, P + "rate_limited_requests_total", kind="insufficient_quota") == 1
     assert delta(b, a, P + "content_filter_blocks_total", stage="input") == 1
+    assert delta(b, a, P + "content_filter_blocks_total", stage="output") == 1
+    assert delta(b, a, P + "request_success_total", finished_reason="content_filter") == 1
     assert delta(b, a, P + "http_requests_total", path="/v1/chat/completions", status="200") == 3
     assert delta(b, a, P + "http_requests_total", path="/v1/chat/completions", status="429") == 2
-    # one TTFT observation per request that produced a token: 2 chats + abort + stream
-    assert delta(b, a, P + "time_to_first_token_seconds_count") == 4
+    # one TTFT observation per request that produced a token: 2 chats + abort + stream + cut
+    assert delta(b, a, P + "time_to_first_token_seconds_count") == 5
     # ITL: (3-1) + (2-1) + (2-1) + (4-1)
     assert delta(b, a, P + "inter_token_latency_seconds_count") == 7
-    assert delta(b, a, P + "e2e_request_latency_seconds_count") == 5
-    assert delta(b, a, P + "request_prefill_time_seconds_count") == 4
+    assert delta(b, a, P + "e2e_request_latency_seconds_count") == 6
+    assert delta(b, a, P + "request_prefill_time_seconds_count") == 5
     assert sample_sum(a, P + "http_requests_in_flight") == 1  # the /metrics scrape itself
 
 
