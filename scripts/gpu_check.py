@@ -104,7 +104,8 @@ def make_batch(seqs, Hkv, G, D, bs, dtype, device, gen, spare_blocks=7):
         seq_lens_cpu=[c + n for c, n in seqs],
         query_lens_cpu=[n for _, n in seqs],
     )
-    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    dgen = torch.Generator(device=device).manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    rnd = lambda *shape: torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
     k_cache = rnd(nblocks, bs, Hkv, D)
     v_cache = rnd(nblocks, bs, Hkv, D)
     query, key, value = rnd(T, H, D), rnd(T, Hkv, D), rnd(T, Hkv, D)
@@ -125,6 +126,8 @@ def check_kernels(quick: bool) -> None:
 
     from kernels_cupy.attention import CupyAttention
 
+    if RUN["device"] != "cuda":  # --cpu-dry-run: the same code path on the CPU emulator, small sizes
+        from kernels_cupy.emu import EmuAttention as CupyAttention  # noqa: F811
     try:
         from backend.attention.torch_ref import TorchAttention
 
@@ -132,7 +135,7 @@ def check_kernels(quick: bool) -> None:
     except Exception as e:  # noqa: BLE001
         tref = None
         row("kernels", "torch_ref", f"unavailable ({type(e).__name__}: {e}); float64 reference only")
-    dev = torch.device("cuda")
+    dev = torch.device(RUN["device"])
     seed = int(time.time() * 1000) % 2**31
     INFO["kernel_seed"] = seed
     gen = torch.Generator().manual_seed(seed)
@@ -141,27 +144,30 @@ def check_kernels(quick: bool) -> None:
     attn.poison_scratch = True
     tol = 1e-2
     dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-    configs = [(dn, D, G) for dn in dtypes for D in (64, 128) for G in (1, 3, 8)]
+    configs = [(dn, D, G) for dn in dtypes for D in (64, 128) for G in (1, 3, 8)][: RUN["kernel_configs"]]
+    X = RUN["max_len"]  # longest context (8192 on the GPU)
     worst: dict[str, float] = {}
     for ci, (dn, D, G) in enumerate(configs):
         dtype = dtypes[dn]
         bs = (16, 32, 16, 8)[ci % 4]
         Hkv = (2, 3, 4)[ci % 3]
         # decodes: ragged 1..8192 (partition and block edges + random), then prefill chunks (cached, new)
-        dec = [1, 2, bs - 1, bs, bs + 1, 63, 64, 65, 511, 512, 513, 8191, 8192]
-        dec += [rng.randint(1, 8192) for _ in range(3 if quick else 11)]
+        dec = [1, 2, bs - 1, bs, bs + 1, 63, 64, 65, 511, 512, 513, X - 1, X]
+        dec = [d for d in dec if d <= X] + [rng.randint(1, X) for _ in range(3 if quick else 11)]
         rng.shuffle(dec)
         pre = [(0, 1 + rng.randint(1, 40)), (0, 300), (rng.randint(1, 3000), rng.randint(2, 200)),
                (rng.randint(4000, 7800), rng.randint(2, 390)), (5, 2), (0, 2), (rng.randint(1, 100), 97)]
+        if X < 8192:  # dry run: shrink the prefill chunks too
+            pre = [(min(c, X // 2), min(n, X // 2)) for c, n in pre]
         cases = {
             "mixed": [(L - 1, 1) for L in dec] + pre,
             "decode": [(L - 1, 1) for L in dec],
             "decode-short": [(rng.randint(0, 63), 1) for _ in range(5)],  # one partition: direct write (v1)
-            "decode-one-long": [(rng.randint(4000, 8191), 1)],  # small partitions, many of them (v2 reduce)
+            "decode-one-long": [(rng.randint(X // 2, X - 1), 1)],  # small partitions, many of them (v2 reduce)
             "prefill": pre[:4],
         }
         if ci % 4 == 0:
-            cases["decode-bigbatch"] = [(rng.randint(0, 8191), 1) for _ in range(96)]  # partition 512 (v2)
+            cases["decode-bigbatch"] = [(rng.randint(0, X - 1), 1) for _ in range(RUN["big_batch"])]  # partition 512 (v2)
         for cname, seqs in cases.items():
             name = f"{dn} D={D} G={G} Hkv={Hkv} bs={bs} {cname}"
             try:
@@ -184,7 +190,7 @@ def check_kernels(quick: bool) -> None:
                 out = torch.full_like(q, float("nan"))
                 scale = D ** -0.5
                 attn.forward(q, kc, vc, meta, scale, out=out)
-                torch.cuda.synchronize()
+                _sync()
                 ref = ref_attention(q, kc, vc, meta, scale)
                 err = rel_err(out, ref)
                 nan_rows = int((~out.isfinite()).any(dim=-1).any(dim=-1).sum())
@@ -273,7 +279,7 @@ def check_bandwidth(quick: bool) -> None:
                 seq_lens_cpu=[L] * B, query_lens_cpu=[1] * B,
             )
             q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=gen)
-            out = torch.empty_like(q)
+            out = torch.full_like(q, float("nan"))  # poisoned: an unwritten row fails the check below
             attn.partition_size = ps
             attn.tuning = tuning
             from kernels_cupy.attention import choose_partition_size
@@ -294,6 +300,8 @@ def check_bandwidth(quick: bool) -> None:
             # correctness of the timed configuration on a few sequences (the kernels ran on this data)
             ref = ref_attention(q[:2], kc, vc, _sub(meta, 2), D ** -0.5)
             err = rel_err(out[:2], ref)
+            if not bool(out.isfinite().all()):
+                err = float("nan")
             bw = kv_bytes / (ms * 1e-3)
             used_ps = ps or choose_partition_size(Hkv, B, L, bs, torch.cuda.get_device_properties(0).multi_processor_count)
             rec = dict(batch=B, context=L, gqa=G, heads=H, kv_heads=Hkv, head_dim=D, partition=used_ps, ms=ms,
@@ -332,7 +340,8 @@ def _model_path():
 
 _RUNNERS: dict = {}
 # --cpu-dry-run (tests of this script on a machine without a GPU): e2e/engine on CPU, float32, torch only
-RUN = dict(device="cuda", dtype="bfloat16", backends=("torch", "cupy"), batches=(1, 64, 256), cases=None)
+RUN = dict(device="cuda", dtype="bfloat16", backends=("torch", "cupy"), batches=(1, 64, 256), cases=None,
+           max_len=8192, kernel_configs=12, big_batch=96)
 
 
 def _runner(backend_name: str):
@@ -485,9 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.cpu_dry_run:  # exercise the e2e/engine code paths on CPU (float32, torch backend)
-        RUN.update(device="cpu", dtype="float32", backends=("torch",), batches=(1, 3), cases=2)
+        RUN.update(device="cpu", dtype="float32", backends=("torch",), batches=(1, 3), cases=2, max_len=80,
+                   kernel_configs=2, big_batch=4)
         for p in a.parts.split(","):
-            dict(e2e=check_e2e, engine=check_engine)[p](True)
+            dict(e2e=check_e2e, engine=check_engine, kernels=check_kernels)[p](True)
         print_table()
         return 1 if any(r["status"] == "FAIL" for r in ROWS) else 0
     try:
