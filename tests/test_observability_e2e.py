@@ -70,7 +70,8 @@ def chat(gp, messages, *, rid: str | None = None, key: str | None = None, **kw) 
 
 
 BLOCKED_WORD = "zanzibarquux"
-FILTERS = {"output_window": 0, "hooks": [{"type": "blocklist", "name": "in", "keywords": [BLOCKED_WORD], "stages": ["prompt"]}]}
+FILTERS = {"output_window": 0, "hooks": [{"type": "blocklist", "name": "in", "keywords": [BLOCKED_WORD], "stages": ["prompt"]},
+                                         {"type": "blocklist", "name": "out", "patterns": ["\\S"], "stages": ["output"]}]}
 
 
 def _tenant_key(gp, rpm: int) -> str | None:
@@ -132,12 +133,13 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     assert not any(p.done for p in o2[:-1])
 
     # --- a 429 (tenant limited to 1 request per hour)
-    n429 = n_blocked = 0
+    n429 = n_blocked = n_cut = 0
     if limited_key is not None:
-        ra = chat(gp, m2, key=limited_key, max_tokens=1)
+        ra = chat(gp, m2, key=limited_key, max_tokens=1)  # its output is cut by the tenant's output filter
         assert ra.status_code == 200, ra.text
         usages.append(ra.json()["usage"])
         reasons.append(ra.json()["choices"][0]["finish_reason"])
+        n_cut = reasons[-1] == "content_filter"
         rb = chat(gp, m2, key=limited_key, max_tokens=1)
         assert rb.status_code == 429, rb.text
         n429 = 1
@@ -187,6 +189,7 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     assert d(before, after, P + "http_requests_total", path="/v1/chat/completions", status="429") == n429
     assert d(before, after, P + "rate_limited_requests_total", kind="requests") == n429
     assert d(before, after, P + "content_filter_blocks_total", stage="input") == n_blocked
+    assert d(before, after, P + "content_filter_blocks_total", stage="output") == n_cut
     assert d(before, after, P + "http_requests_total", path="/api/chat", status="200") == 2
     assert d(before, after, P + "http_requests_total", path="/api/generate", status="200") == 2
     assert sample_sum(after, P + "kv_cache_blocks_total") > 0
