@@ -419,7 +419,8 @@ def instrument(app: Any, gw: Any = None, *, tenant_label: bool = False, log_cont
         from gateway.app import chat_completions
         from gateway.ollama_api import OllamaAPI
 
-        routes += OllamaAPI(chat_completions, lambda: getattr(pool, "card", None), gw.authenticate if gw is not None else None).routes()
+        routes += OllamaAPI(chat_completions, lambda: getattr(pool, "card", None), getattr(gw, "authenticate", None),
+                            getattr(gw, "model_names", None)).routes()
     have = {getattr(r, "path", None) for r in app.router.routes}
     app.router.routes.extend(r for r in routes if r.path not in have)
     if access_log is not None:

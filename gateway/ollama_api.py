@@ -50,7 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.errors import APIError, InvalidRequest
+from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.request_log import get_record
 
 NDJSON = "application/x-ndjson"
@@ -419,12 +419,15 @@ class OllamaAPI:
         model_card: returns the served ``ModelCard`` (or a dict with its fields), or None before the backend is ready.
         authenticate: ``async (request) -> Any`` raising ``APIError``; guards /api/tags, /api/show, /api/ps
             (chat/generate are authenticated by the pipeline). None: those routes are open.
+        model_names: served model names (aliases included); default: the card's name.
     """
 
-    def __init__(self, chat_endpoint: Callable[[Request], Awaitable[Any]], model_card: Callable[[], Any], authenticate: Callable[[Request], Awaitable[Any]] | None = None) -> None:
+    def __init__(self, chat_endpoint: Callable[[Request], Awaitable[Any]], model_card: Callable[[], Any], authenticate: Callable[[Request], Awaitable[Any]] | None = None,
+                 model_names: Callable[[], list[str]] | None = None) -> None:
         self.chat_endpoint = chat_endpoint
         self.model_card = model_card
         self.authenticate = authenticate
+        self.model_names = model_names
 
     def routes(self) -> list[Route]:
         """Starlette routes of the Ollama API."""
@@ -455,11 +458,21 @@ class OllamaAPI:
                 body = await request.json()
             except (ValueError, UnicodeDecodeError):
                 raise InvalidRequest("request body is not valid JSON") from None
-            if kind == "generate" and isinstance(body, dict) and not body.get("prompt") and not body.get("system"):
-                # Ollama: an empty prompt only loads the model and answers done_reason "load".
+            empty = isinstance(body, dict) and (
+                (kind == "generate" and not body.get("prompt") and not body.get("system")) or (kind == "chat" and not body.get("messages"))
+            )
+            if empty:
+                # Ollama: an empty prompt / message list only loads (keep_alive 0: unloads) the model.
                 if self.authenticate is not None:
                     await self.authenticate(request)
-                return JSONResponse({"model": _model(body), "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "load"})
+                self._check_model(_model(body))
+                obj: dict[str, Any] = {"model": body["model"], "created_at": now_rfc3339()}
+                if kind == "chat":
+                    obj["message"] = {"role": "assistant", "content": ""}
+                else:
+                    obj["response"] = ""
+                obj.update(done=True, done_reason="unload" if body.get("keep_alive") in (0, "0", "0s") else "load")
+                return JSONResponse(obj)
             oa = chat_to_openai(body) if kind == "chat" else generate_to_openai(body)
             inner = await self.chat_endpoint(subrequest(request, oa))
             rec.api = "ollama"  # the /v1 endpoint labels the record "openai"
@@ -469,6 +482,12 @@ class OllamaAPI:
         return TranslatedResponse(inner, request, kind, oa["model"])
 
     # ------------------------------------------------------------------ model listing
+
+    def _check_model(self, name: str) -> None:
+        """Raises ``NotFound`` (404) unless ``name`` is the served model (when the card is known)."""
+        names = list(self.model_names()) if self.model_names is not None else [self._card().get("name")]
+        if any(names) and name not in names:
+            raise NotFound(f"model '{name}' not found", param="model", code="model_not_found")
 
     def _card(self) -> dict:
         card = self.model_card()

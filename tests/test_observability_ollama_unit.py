@@ -111,6 +111,11 @@ async def test_chat_and_generate_with_official_client():
     check_stats(parts[-1])
     r = await c.generate(model="smol", prompt="")
     assert r.done_reason == "load"
+    r = await c.chat(model="smol", messages=[], keep_alive=0)
+    assert r.done_reason == "unload" and r.message.content == ""
+    with pytest.raises(ollama.ResponseError) as ei:
+        await c.generate(model="nope", prompt="")
+    assert ei.value.status_code == 404
 
 
 async def test_errors_in_ollama_shape():
