@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -121,7 +122,8 @@ def test_stream_grows_then_stats(gw, page):
     stats = {el.get_attribute("data-stat"): el.inner_text() for el in last_answer(page).locator(".stats span").all()}
     assert stats["ttft"].startswith("TTFT ") and stats["ttft"].endswith(" ms")
     assert stats["tps"].endswith(" tok/s") and float(stats["tps"].split()[0]) > 0
-    assert stats["cached"].endswith(" cached") and stats["completion"] == "16 completion"
+    assert re.fullmatch(r"\d+ cached", stats["cached"]) and re.fullmatch(r"\d+ prompt", stats["prompt"])
+    assert 3 <= int(stats["completion"].split()[0]) <= 16
     # the key was kept in localStorage; a second turn reuses the prefix (cached tokens > 0 if prefix caching)
     assert page.evaluate("localStorage.getItem('gw.apiKey')") == key
 
@@ -176,7 +178,7 @@ def test_cross_origin_page_streams_with_authorization(gw, page):
 
 def test_blocked_prompt_and_cut_output_shown(gw, page):
     _, key = new_tenant(gw, "filt", filters=CUT_FILTERS)
-    open_playground(page, gw.base_url, key, max_tokens=40)
+    open_playground(page, gw.base_url, key, max_tokens=16)
     send(page, "Tell me the forbidden secret.")
     assert wait_state(page, "filtered", "error", "done") == "filtered"
     note = last_answer(page).locator(".notice").inner_text()

@@ -199,7 +199,7 @@ http {{
 
 def test_stream_through_nginx_arrives_event_by_event(gateway, nginx_proxy):
     key = new_tenant(gateway, "nginx")[1] if tenancy_wired(gateway) else gateway.api_key
-    body = {"model": gateway.model, "messages": [{"role": "user", "content": COUNT}], "max_tokens": 24, "temperature": 0}
+    body = {"model": gateway.model, "messages": [{"role": "user", "content": COUNT}], "max_tokens": 12, "temperature": 0}
     r, events, _ = sse(gateway, key, body, url=nginx_proxy)
     assert r.status_code == 200, r.text
     # nginx consumes X-Accel-* (test_sse_headers checks it on the direct response)
@@ -250,7 +250,7 @@ def test_output_cut_content_filter(gateway):
     require(tenancy_wired(gateway), "tenancy")
     require(output_filter_wired(), "the output filter (Generation)")
     _, key = new_tenant(gateway, "cut", filters=CUT_FILTERS)
-    body = {"model": gateway.model, "messages": [{"role": "user", "content": COUNT}], "max_tokens": 40, "temperature": 0}
+    body = {"model": gateway.model, "messages": [{"role": "user", "content": COUNT}], "max_tokens": 16, "temperature": 0}
     # reference: the unfiltered greedy answer contains a "3"
     _, plain_key = new_tenant(gateway, "plain")
     ref = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {plain_key}"}, timeout=300).json()
@@ -264,6 +264,8 @@ def test_output_cut_content_filter(gateway):
     assert "3" not in text and text == expected
     assert finishes(events) == ["content_filter"]
     assert events[-1][1] == "[DONE]"
+    st = gateway.wait_idle(30)  # the backend request was aborted at the cut
+    assert st["running"] == 0 and st["waiting"] == 0
 
     r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=300)
     assert r.status_code == 200
