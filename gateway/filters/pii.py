@@ -66,19 +66,25 @@ def luhn_ok(digits: str) -> bool:
 def find_pii(text: str, kinds: frozenset[str]):
     """Yield ``(start, end, kind)`` for every PII item of the wanted kinds, left to right, non-overlapping.
 
-    Card candidates that fail Luhn are skipped (and, being a long digit run, are not reported as
-    phones). Indices are character offsets into ``text``.
+    Card candidates that fail Luhn and phone candidates with a wrong digit count are skipped (the
+    digit-boundary look-arounds keep their inner parts from matching). Indices are character offsets.
     """
-    for m in _ALL.finditer(text):
+    pos = 0
+    while True:
+        m = _ALL.search(text, pos)
+        if m is None:
+            return
         kind = m.lastgroup
+        ok = True
         if kind == "card":
             digits = re.sub(r"\D", "", m.group())
-            if not (13 <= len(digits) <= 19 and luhn_ok(digits)):
-                continue
+            ok = 13 <= len(digits) <= 19 and luhn_ok(digits)
         elif kind == "phone":
-            nd = sum(c.isdigit() for c in m.group())
-            if not 7 <= nd <= 15:
-                continue
+            ok = 7 <= sum(c.isdigit() for c in m.group()) <= 15
+        if not ok:  # a rejected candidate does not hide a shorter item inside it: scan on from the next char
+            pos = m.start() + 1
+            continue
+        pos = m.end()
         if kind in kinds:
             yield m.start(), m.end(), kind
 
