@@ -16,7 +16,11 @@ Printed and written to JSON (times in milliseconds):
 * TTFT (request sent -> first content byte), TPOT ((e2e - TTFT) / (completion_tokens - 1)),
   ITL (gaps between content chunks), e2e latency: mean, p50, p90, p99;
 * gateway overhead = client TTFT - the backend's own TTFT (``timings.backend_ttft_duration``, ns, this
-  gateway's extension field; absent elsewhere): p50, p90, p99;
+  gateway's extension field; absent elsewhere): p50, p90, p99. It also holds time spent inside the backend
+  process that its TTFT does not count (a Submit waiting in the backend's inbox for the running step, the
+  backend's writer thread). ``gateway_internal`` (``timings.gateway_overhead_duration``) is the gateway's own
+  share measured inside it: HTTP arrival -> Submit queued, plus first output frame decoded -> first content
+  event handed to the HTTP server;
 * errors (HTTP status or error events), with the first few messages.
 
 Percentiles: nearest-rank on the sorted samples.
@@ -52,6 +56,7 @@ class Result:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     backend_ttft: float | None = None  # seconds
+    gateway_internal: float | None = None  # seconds: the gateway's own share, measured inside it
 
 
 def make_prompt(n_tokens: int, i: int, rng: random.Random) -> str:
@@ -117,6 +122,8 @@ async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Re
                 t = ev.get("timings") or {}
                 if "backend_ttft_duration" in t:
                     res.backend_ttft = t["backend_ttft_duration"] / 1e9
+                if "gateway_overhead_duration" in t:
+                    res.gateway_internal = t["gateway_overhead_duration"] / 1e9
         res.e2e = time.perf_counter() - res.start
         res.ok = res.ttft is not None
         if not res.ok:
@@ -179,6 +186,7 @@ async def run(args) -> dict:
         "e2e_ms": summary([r.e2e for r in ok if r.e2e is not None]),
         "backend_ttft_ms": summary([r.backend_ttft for r in ok if r.backend_ttft is not None]),
         "gateway_overhead_ms": summary(overhead),
+        "gateway_internal_ms": summary([r.gateway_internal for r in ok if r.gateway_internal is not None]),
     }
 
 
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"{mode}: {res['ok']}/{res['requests']} ok, {res['errors']} errors, wall {res['wall_s']:.1f}s")
     print(f"  throughput: {res['request_throughput_rps']:.3f} req/s, {res['output_tokens_per_s']:.1f} output tokens/s")
-    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "backend_ttft_ms", "gateway_overhead_ms"):
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "backend_ttft_ms", "gateway_overhead_ms", "gateway_internal_ms"):
         print(f"  {k:20s} {_fmt(res[k])}")
     for s in res["error_samples"]:
         print(f"  error: {s}", file=sys.stderr)

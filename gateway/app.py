@@ -269,6 +269,7 @@ async def chat_completions(request: Request) -> Any:
     if rec is not None:
         rec.model, rec.stream, rec.api = model, req.stream, "openai"
         rec.tenant = _tenant_id(principal) or None
+        t0 = min(t0, getattr(rec, "t_arrival", t0))
     gen = Generation(
         gw, kind="chat", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
         include_stop=req.include_stop_str_in_output, logprobs="chat" if req.logprobs else None,

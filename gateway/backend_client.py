@@ -134,7 +134,7 @@ class RequestHandle:
     the request has not finished it is removed and ``Abort`` is queued.
     """
 
-    __slots__ = ("request_id", "n", "_client", "_send", "_recv", "_remaining", "error", "done", "submitted_at")
+    __slots__ = ("request_id", "n", "_client", "_send", "_recv", "_remaining", "error", "done", "submitted_at", "first_rx")
 
     def __init__(self, client: "BackendClient", request_id: str, n: int, buffer: int) -> None:
         self.request_id = request_id
@@ -144,7 +144,8 @@ class RequestHandle:
         self._remaining = n
         self.error: APIError | None = None
         self.done = False  # the backend will send nothing more (finished, failed or aborted)
-        self.submitted_at = time.monotonic()
+        self.submitted_at = time.perf_counter()  # when Submit was queued (seconds, perf_counter)
+        self.first_rx: float | None = None  # when the frame with the first output was decoded
 
     def receive_nowait(self) -> RequestOutput | None:
         """Next buffered output without waiting; raises ``trio.WouldBlock`` if none is buffered yet."""
@@ -391,10 +392,13 @@ class BackendClient:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, StepOutputs):
             pending = self._pending
+            now = time.perf_counter()
             for out in msg.outputs:
                 h = pending.get(out.request_id)
                 if h is None:
                     continue
+                if h.first_rx is None:
+                    h.first_rx = now
                 if not h._deliver(out):
                     del pending[out.request_id]
                     h._fail(SlowConsumer())

@@ -143,6 +143,9 @@ class Generation:
         self.open = self.n  # choices not finished (client's view)
         self.cached_tokens = 0
         self.submitted = False
+        self.t_submit: float | None = None  # Submit queued (perf_counter)
+        self.t_first_rx: float | None = None  # first output's frame decoded
+        self.t_first_sent: float | None = None  # first content event handed to the server
         self.filtered = any(st.of is not None for st in self.choices)
 
     # ------------------------------------------------------------------ per output
@@ -264,6 +267,12 @@ class Generation:
             d["backend_ttft_duration"] = _ns(min(t.ttft for t in tms))
         if self.t_first is not None:
             d["ttft_duration"] = _ns(self.t_first - self.t_arrival)
+        if self.t_submit is not None:
+            d["gateway_prep_duration"] = _ns(self.t_submit - self.t_arrival)
+            h = getattr(self, "_handle", None)
+            rx = h.first_rx if h is not None else None
+            if rx is not None and self.t_first_sent is not None:
+                d["gateway_overhead_duration"] = _ns((self.t_submit - self.t_arrival) + (self.t_first_sent - rx))
         d["total_duration"] = _ns(now - self.t_arrival)
         return d
 
@@ -338,6 +347,8 @@ class Generation:
                 pass
         handle = client.open_request(self._submit())
         self.submitted = True
+        self.t_submit = handle.submitted_at
+        self._handle = handle
         return handle
 
     async def stream(self, w: ResponseWriter) -> None:
@@ -352,9 +363,13 @@ class Generation:
                     with trio.move_on_after(hb):
                         first = await handle.next()
                     await w.start(res.headers)
+                    prefix = b""  # the role chunk travels in the same write as the first content (one send less)
                     if self.kind == "chat":
                         role = [ChunkChoice(i, Delta(role="assistant", content=""), None, None) for i in range(self.n)]
-                        await w.event(self._chunk(role))
+                        prefix = b"data: " + self._chunk(role) + b"\n\n"
+                        if first is False:
+                            await w.raw(prefix)
+                            prefix = b""
                     pending = first
                     while self.open > 0:
                         if pending is False:  # nothing yet: wait, with heartbeats
@@ -365,6 +380,9 @@ class Generation:
                                 with trio.move_on_after(hb):
                                     out = await handle.next()
                                 if out is False:
+                                    if prefix:
+                                        await w.raw(prefix)
+                                        prefix = b""
                                     await w.ping()
                                     continue
                         else:
@@ -377,9 +395,13 @@ class Generation:
                         if st.of is not None:
                             text, fin = await self.filt(st, text, fin)
                         if text or lps:
-                            await w.event(self._delta_chunk(st, text, lps))
+                            await w.raw(prefix + b"data: " + self._delta_chunk(st, text, lps) + b"\n\n")
+                            prefix = b""
+                            if self.t_first_sent is None and text:
+                                self.t_first_sent = time.perf_counter()
                         if fin is not None:
-                            await w.event(self._finish_chunk(st))
+                            await w.raw(prefix + b"data: " + self._finish_chunk(st) + b"\n\n")
+                            prefix = b""
                 status = 200
                 if self.include_usage:
                     await w.event(self._chunk([], usage=self.usage(), timings=self.timings()))
