@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
 from typing import Any
 
 import msgspec
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -67,6 +69,9 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     backend_wait_s: float = 30.0  # seconds a new request waits for a (re)starting backend before 503
     admin_key: str | None = None
     served_model_names: list[str] = []  # extra names accepted in "model"
+    # prompts with more characters than this are templated + tokenized in a worker thread (the Rust
+    # tokenizer releases the GIL), so a burst of arrivals does not stall token streaming; 0 = always inline
+    thread_tokenize_chars: int = 1024
     # observability (docs/observability.md): tenant label on /metrics counters, prompt/output text in the
     # access log (debug only), access-log destination ("-" stderr, a path, "off")
     metrics_tenant_label: bool = False
@@ -88,6 +93,15 @@ class Gateway:
         self.metrics = metrics
         self.started = int(time.time())
         self._token_str: dict[int, str] = {}
+        self._tok_limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
+
+    async def tokenize(self, fn: Any, chars: int) -> Any:
+        """Run ``fn`` (templating/tokenizing, CPU-bound) inline for short prompts, else in a worker thread
+        (at most ``cpu_count`` at once). Exceptions (``InvalidRequest``...) propagate unchanged."""
+        limit = self.config.thread_tokenize_chars
+        if limit <= 0 or chars <= limit:
+            return fn()
+        return await trio.to_thread.run_sync(fn, limiter=self._tok_limiter)
 
     def token_str(self, tid: int) -> str:
         """Printable text of one token (its bytes decoded with U+FFFD for partial UTF-8), cached."""
@@ -150,6 +164,20 @@ class Gateway:
             if self.tenancy is not None:
                 raise PermissionDenied("This key may not use admin routes.", code="not_admin")
             raise AuthenticationError("Incorrect admin key provided.")
+
+
+def _chars(messages: Any) -> int:
+    """Rough size of a message list in characters (decides inline vs threaded tokenization)."""
+    n = 0
+    for m in messages if isinstance(messages, list) else ():
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            for part in c:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    n += len(part["text"])
+    return n
 
 
 def _record(request: Request) -> Any:
@@ -261,8 +289,10 @@ async def chat_completions(request: Request) -> Any:
     messages = req.messages
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
-    prompt = gw.template.render(messages, add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message)
-    ids = prompt.ids
+    ids = (await gw.tokenize(
+        lambda: gw.template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message),
+        _chars(messages))).ids
     max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length)
     sampling = _sampling(req, max_tokens, logprobs=req.logprobs, top_logprobs=top or 0)
     rec = _record(request)
@@ -270,6 +300,7 @@ async def chat_completions(request: Request) -> Any:
         rec.model, rec.stream, rec.api = model, req.stream, "openai"
         rec.tenant = _tenant_id(principal) or None
         t0 = min(t0, getattr(rec, "t_arrival", t0))
+        rec.set_prompt(messages)  # kept only with --log-content (observability)
     gen = Generation(
         gw, kind="chat", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
         include_stop=req.include_stop_str_in_output, logprobs="chat" if req.logprobs else None,
@@ -302,14 +333,16 @@ async def completions(request: Request) -> Any:
     if gw.filters is not None and isinstance(p, str):  # prompt hooks see a raw prompt as one user message
         p = (await gw.filters.check_prompt(principal, [{"role": "user", "content": p}]))[0]["content"]
     if isinstance(p, str):
-        ids = gw.tokenizer.encode_plain(p)
+        text = p
+        ids = await gw.tokenize(lambda: gw.tokenizer.encode_plain(text), len(text))
     elif p and all(isinstance(x, int) for x in p):
         ids = list(p)  # type: ignore[arg-type]
         vocab = card.vocab_size or gw.tokenizer.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequest("'prompt' holds a token id outside the vocabulary.", param="prompt", code="invalid_value")
     elif isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        ids = gw.tokenizer.encode_plain(p[0])
+        text = p[0]
+        ids = await gw.tokenize(lambda: gw.tokenizer.encode_plain(text), len(text))
     else:
         raise InvalidRequest("'prompt' must be one string, a one-string array, or an array of token ids (batches are not supported).", param="prompt", code="invalid_value")
     if not ids:
@@ -320,6 +353,7 @@ async def completions(request: Request) -> Any:
     if rec is not None:
         rec.model, rec.stream, rec.api = model, req.stream, "openai"
         rec.tenant = _tenant_id(principal) or None
+        rec.set_prompt(p)  # kept only with --log-content (observability)
     gen = Generation(
         gw, kind="completion", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
         include_stop=req.include_stop_str_in_output, logprobs="completion" if lp is not None else None,

@@ -133,11 +133,17 @@ class RequestRecord:
             return
         if isinstance(prompt, str):
             self.prompt_text = prompt
-        else:
-            try:
-                self.prompt_text = json.dumps(prompt, ensure_ascii=False, default=str)
-            except (TypeError, ValueError):
-                self.prompt_text = repr(prompt)
+            return
+        try:
+            import msgspec
+
+            prompt = msgspec.to_builtins(prompt)  # chat messages may be msgspec structs
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self.prompt_text = json.dumps(prompt, ensure_ascii=False, default=str)
+        except (TypeError, ValueError):
+            self.prompt_text = repr(prompt)
 
     def on_submit(self, prompt_tokens: int | None = None) -> None:
         """Mark the hand-over to the backend (call once, just before ``submit``), with the prompt length (tokens).
