@@ -57,6 +57,16 @@ def choose_partition_size(num_kv_heads: int, num_seqs: int, max_seq_len: int, bl
     return max(1, math.ceil(ps / block_size)) * block_size
 
 
+def default_tuning(gqa: int) -> dict[str, int]:
+    """Decode-kernel tuning per group size (measured on H200, docs/perf-gpu.md).
+
+    Up to 4 query heads per KV head: the ``KernelConfig`` defaults (4 key / 8 value rows in flight per lane:
+    84 % of copy bandwidth at 256 x 2048 vs 73 % with 2 / 4). Larger groups keep 2 / 4: with 8 heads per KV
+    head the deeper unroll needs 226 registers per thread and measured 46 % vs 49 %.
+    """
+    return {} if gqa <= 4 else {"k_unroll": 2, "v_unroll": 4}
+
+
 def decode_smem_bytes(partition_size: int, gqa: int, head_dim: int, block_size: int, decode_warps: int = 4) -> int:
     """Dynamic shared memory of ``paged_decode`` (bytes): logits, cross-warp partial sums, block-table slice."""
     return 4 * (partition_size * gqa + decode_warps * gqa * head_dim) + 4 * (partition_size // block_size + 1)
@@ -259,7 +269,8 @@ class CupyAttention:
         Hkv, bs = k_cache.shape[2], k_cache.shape[1]
         if H % Hkv:
             raise ValueError(f"{H} query heads not a multiple of {Hkv} KV heads")
-        cfg = KernelConfig(_DTYPE_NAMES[query.dtype], D, bs, H // Hkv, **self.tuning)
+        G = H // Hkv
+        cfg = KernelConfig(_DTYPE_NAMES[query.dtype], D, bs, G, **(self.tuning or default_tuning(G)))
         query = self._rows(query)
         if out is None:
             out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)

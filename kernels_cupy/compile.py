@@ -52,8 +52,8 @@ class KernelConfig:
     block_size: int
     gqa: int
     decode_warps: int = 4
-    k_unroll: int = 2
-    v_unroll: int = 4
+    k_unroll: int = 4
+    v_unroll: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16"):

@@ -139,10 +139,10 @@ extern "C" __global__ void __launch_bounds__(128) write_kv(
 #define DECODE_WARPS 4  // tunable (kernels_cupy.compile.KernelConfig.decode_warps)
 #endif
 #ifndef K_UNROLL
-#define K_UNROLL 2  // key rows in flight per lane (tunable)
+#define K_UNROLL 4  // key rows in flight per lane (tunable)
 #endif
 #ifndef V_UNROLL
-#define V_UNROLL 4  // value rows in flight per lane (tunable)
+#define V_UNROLL 8  // value rows in flight per lane (tunable)
 #endif
 #define NUM_WARPS DECODE_WARPS
 #define NUM_THREADS (NUM_WARPS * 32)

@@ -263,7 +263,7 @@ def check_bandwidth(quick: bool) -> None:
     shapes += [(256, 2048, 1), (256, 2048, 8)]
     # tuning variants at the acceptance point: (partition size, KernelConfig tuning); first = default
     tune = [(None, {}), (256, {}), (1024, {}), (None, {"decode_warps": 8}), (None, {"decode_warps": 2}),
-            (None, {"k_unroll": 4, "v_unroll": 8}), (None, {"k_unroll": 1, "v_unroll": 2}),
+            (None, {"k_unroll": 2, "v_unroll": 4}), (None, {"k_unroll": 1, "v_unroll": 2}),
             (None, {"decode_warps": 8, "k_unroll": 4, "v_unroll": 8})]
     results = []
     for B, L, G in shapes:
@@ -282,10 +282,10 @@ def check_bandwidth(quick: bool) -> None:
             out = torch.full_like(q, float("nan"))  # poisoned: an unwritten row fails the check below
             attn.partition_size = ps
             attn.tuning = tuning
-            from kernels_cupy.attention import choose_partition_size
+            from kernels_cupy.attention import choose_partition_size, default_tuning
             from kernels_cupy.compile import KernelConfig
 
-            cfg = KernelConfig("bfloat16", D, bs, G, **tuning)
+            cfg = KernelConfig("bfloat16", D, bs, G, **(tuning or default_tuning(G)))
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
             with cupy.cuda.Device(torch.cuda.current_device()), stream:
                 plans = attn._plan(cfg, q, kc, vc, meta, D ** -0.5, out)

@@ -1,4 +1,4 @@
-"""NVRTC compile test of kernels_cupy (no GPU or driver needed): every kernel, every configuration, sm_80 + sm_90.
+"""NVRTC compile test of kernels_cupy (no GPU or driver needed): every kernel for sm_80 and sm_90.
 
 Uses CuPy's NVRTC binding (``cupy_backends.cuda.libs.nvrtc``); skipped, with the reason, only when CuPy or the
 NVRTC library cannot be loaded (``make test`` installs ``cupy-cuda13x`` and ``nvidia-cuda-nvrtc``).
@@ -23,8 +23,10 @@ def _nvrtc():
     return nvrtc
 
 
-CONFIGS = [KernelConfig(dt, hd, bs, g) for dt in ("float16", "bfloat16") for hd in (64, 128) for g in (1, 3, 8)
-           for bs in ((16,) if g != 3 else (16, 32))]
+# every specialisation (dtype x head dim x group size) for sm_90 (the H200); every other one for sm_80 (each
+# dtype, head dim and group size still appears there), to keep the CPU suite fast
+CONFIGS = [KernelConfig(dt, hd, 16, g) for dt in ("float16", "bfloat16") for hd in (64, 128) for g in (1, 3, 8)]
+ARCH_CONFIGS = {"sm_90": CONFIGS, "sm_80": CONFIGS[::2]}
 
 
 def _compile(nvrtc, cfg: KernelConfig, arch: str) -> tuple[bytes, str]:
@@ -43,7 +45,7 @@ def _compile(nvrtc, cfg: KernelConfig, arch: str) -> tuple[bytes, str]:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_compiles(arch: str) -> None:
     nvrtc = _nvrtc()
-    for cfg in CONFIGS:
+    for cfg in ARCH_CONFIGS[arch]:
         cubin, log = _compile(nvrtc, cfg, arch)
         assert cubin[:4] == b"\x7fELF", f"{cfg} {arch}: not a CUBIN"
         for name in KERNEL_NAMES:
