@@ -211,7 +211,8 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
 def test_preemption_counted_with_tiny_kv_pool(make_gateway):
     # 7 blocks of 16 tokens; three 32-token prompts (2 blocks each, no shared prefix) whose first decode
     # step needs a third block each: 9 > 7, so the newest running request is preempted and recomputed.
-    gp = make_gateway("--num-kv-blocks", "7")
+    # This gateway also runs with content logging and the tenant label switched on.
+    gp = make_gateway("--num-kv-blocks", "7", env={"GATEWAY_LOG_CONTENT": "1", "GATEWAY_METRICS_TENANT_LABEL": "1"})
     before = scrape(gp)
     rng = random.Random(time.time_ns())
     rids = [f"obs-pre-{i}" for i in range(3)]
@@ -236,3 +237,10 @@ def test_preemption_counted_with_tiny_kv_pool(make_gateway):
     assert d(before, after, P + "generation_tokens_total") == 12
     assert d(before, after, P + "prompt_tokens_total") == 96
     assert sample_sum(after, P + "kv_cache_blocks_total") == 7
+    tid = gp.extra.get("tenant_id")
+    if tid:
+        assert d(before, after, P + "prompt_tokens_total", tenant=tid) == 96
+    for r in rids:  # --log-content: the prompt (token ids here) and the output text are in the line
+        e = log_line(gp, r)
+        assert e["prompt"].startswith("[") and len(json.loads(e["prompt"])) == 32
+        assert e["output"] == results[r].json()["choices"][0]["text"]
