@@ -31,7 +31,8 @@ repetition_penalty (vLLM semantics). Other options (num_ctx, num_thread,
 mirostat, ...) are accepted and ignored; Ollama's own defaults (e.g.
 temperature 0.8) are not applied: unset options take the /v1 defaults.
 Images, tools, ``format``, ``raw``, ``template`` and ``suffix`` are refused
-with 400; ``context`` and ``keep_alive`` are ignored.
+with 400; ``context`` is ignored. An empty prompt / message list answers at
+once with done_reason "load" ("unload" with ``keep_alive: 0``), as Ollama does.
 Errors are ``{"error": message, "type": ..., "code": ...}`` with the /v1
 status code (the client raises ``ollama.ResponseError(error, status_code)``);
 an error after streaming began is one final ``{"error": ...}`` line.
