@@ -11,6 +11,7 @@ import httpx
 import pytest
 import trio
 
+pytestmark = pytest.mark.slow
 
 def _tenancy_wired(gp) -> bool:
     r = httpx.get(gp.base_url + "/admin/v1/tenants", headers=gp.admin_headers(), timeout=30)
