@@ -664,7 +664,7 @@ class TenancyMiddleware:
         kind = classify_path(scope.get("path", "/"), scope.get("method", "GET"), public_paths=self.public_paths,
                              public_prefixes=self.public_prefixes)
         try:
-            if kind != "public" and query_key:
+            if query_key:  # on any path: a credential in a URL ends up in logs, histories, referers
                 raise AuthenticationError("API keys are not accepted in the query string; use the Authorization: "
                                           "Bearer header.")
             if kind == "admin":

@@ -137,8 +137,9 @@ async def test_admin_flow_and_security(env, caplog, capfd):
     r = await c.get("/v1/usage", headers=bearer(key_b))
     assert r.json()["tenant_id"] == tb["id"] and r.json()["totals"]["requests"] == 0
 
-    # public routes
+    # public routes (but never with a credential in the URL)
     assert (await c.get("/healthz")).status_code == 200
+    assert (await c.get(f"/healthz?key={key_a}")).status_code == 401
     spec = (await c.get("/openapi.json")).json()
     for p in ("/v1/chat/completions", "/admin/v1/tenants", "/admin/v1/tenants/{tenant_id}",
               "/admin/v1/tenants/{tenant_id}/keys", "/admin/v1/keys/{key_id}", "/admin/v1/tenants/{tenant_id}/limits",
