@@ -171,7 +171,11 @@ class CupyAttention:
         ptr = torch.cuda.current_stream(device).cuda_stream
         s = self._streams.get(ptr)
         if s is None:
-            s = cupy.cuda.ExternalStream(ptr, device.index if device.index is not None else torch.cuda.current_device())
+            import warnings
+
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream (Stream.from_external); still works
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = cupy.cuda.ExternalStream(ptr, device.index if device.index is not None else torch.cuda.current_device())
             self._streams[ptr] = s
         return s
 

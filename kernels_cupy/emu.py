@@ -38,12 +38,31 @@ def compiler() -> str | None:
     return None
 
 
+_PROBE = """#include <barrier>
+#include <thread>
+int main() { std::barrier<> b(1); b.arrive_and_wait(); _Float16 h = (_Float16)1.5f; return (float)h == 1.5f ? 0 : 1; }
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def usable_compiler() -> str | None:
+    """A compiler that builds the emulator's C++20 (``<barrier>``, ``_Float16``), or None (tests skip then)."""
+    cxx = compiler()
+    if cxx is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.cpp"
+        src.write_text(_PROBE)
+        r = subprocess.run([cxx, "-std=c++20", "-pthread", str(src), "-o", str(Path(d) / "probe")], capture_output=True)
+        return cxx if r.returncode == 0 else None
+
+
 @functools.lru_cache(maxsize=None)
 def build(cfg: KernelConfig) -> ctypes.CDLL:
     """Compile (cached under the temp dir, keyed by source hash + config) and load the emulator library."""
-    cxx = compiler()
+    cxx = usable_compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler (g++/clang++) for the CUDA emulator")
+        raise RuntimeError("no C++20 compiler (g++ >= 11 / clang++) for the CUDA emulator")
     h = hashlib.sha256()
     for n in _SOURCES:
         h.update((SOURCE_DIR / n).read_bytes())

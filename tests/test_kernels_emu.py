@@ -20,9 +20,9 @@ import gpu_check  # noqa: E402  (make_batch, ref_attention, rel_err)
 
 sys.path.pop(0)
 
-from kernels_cupy.emu import EmuAttention, compiler  # noqa: E402
+from kernels_cupy.emu import EmuAttention, usable_compiler  # noqa: E402
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the CUDA emulator")
+pytestmark = pytest.mark.skipif(usable_compiler() is None, reason="no C++20 compiler (<barrier>, _Float16) for the CUDA emulator")
 
 CASES = [
     # dtype, head_dim, gqa, kv_heads, block_size, seqs (cached, new), tuning
