@@ -71,7 +71,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     served_model_names: list[str] = []  # extra names accepted in "model"
     # prompts with more characters than this are templated + tokenized in a worker thread (the Rust
     # tokenizer releases the GIL), so a burst of arrivals does not stall token streaming; 0 = always inline
-    thread_tokenize_chars: int = 1024
+    thread_tokenize_chars: int = 8192
     # observability (docs/observability.md): tenant label on /metrics counters, prompt/output text in the
     # access log (debug only), access-log destination ("-" stderr, a path, "off")
     metrics_tenant_label: bool = False

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend-startup-timeout", type=float, default=600.0)
     s.add_argument("--request-buffer", type=int, default=DEFAULT_REQUEST_BUFFER,
                    help="backend outputs buffered per request before a slow client is aborted")
+    s.add_argument("--thread-tokenize-chars", type=int, default=8192,
+                   help="prompts longer than this (characters) are templated/tokenized in a worker thread; 0: never")
     s.add_argument("--log-level", default="INFO")
     return p
 
@@ -89,7 +91,8 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
         sups = [BackendSupervisor(spawn=spec, name=f"backend-{i}", request_buffer=args.request_buffer) for i in range(max(1, args.backends))]
     pool = BackendPool(sups, wait_timeout=args.backend_wait)
     config = GatewayConfig(max_body_bytes=args.max_body_bytes, heartbeat_s=args.sse_heartbeat, backend_wait_s=args.backend_wait,
-                           admin_key=args.admin_key, served_model_names=list(args.served_model_name))
+                           admin_key=args.admin_key, served_model_names=list(args.served_model_name),
+                           thread_tokenize_chars=args.thread_tokenize_chars)
 
     async with trio.open_nursery() as nursery:
         shutdown = trio.Event()

@@ -162,8 +162,10 @@ def test_unknown_model_and_route(gateway):
     _err(r, 404, param="model", code="model_not_found")
     with pytest.raises(openai.NotFoundError):
         gateway.openai().chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
-    _err(httpx.get(gateway.base_url + "/v1/nothing-here"), 404)
-    assert httpx.get(gateway.base_url + CHAT).status_code == 405
+    _err(httpx.get(gateway.base_url + "/v1/nothing-here", headers=gateway.headers()), 404)
+    assert httpx.get(gateway.base_url + CHAT, headers=gateway.headers()).status_code == 405
+    # without a key, tenancy answers 401 before routing (docs/tenancy.md)
+    assert httpx.post(gateway.base_url + CHAT, json={}).status_code == 401
 
 
 def test_body_too_large(gateway):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 
+import pytest
+
 from plugins.gateway_server import chat_body, post_json, stream_post
 
 CHAT = "/v1/chat/completions"
@@ -34,6 +36,7 @@ def _content(d, i=0):
 # ----------------------------------------------------------------------------- C04, C01, fixtures
 
 
+@pytest.mark.timeout(900)  # generous only for overloaded shared machines
 def test_c04_c01_stream_equals_nonstream_and_fixture_greedy(gateway, chat_fixtures):
     """C04: join(deltas) byte-identical to the non-stream content (greedy, 64 tokens). C01: CJK/emoji never
     produce U+FFFD in a delta. Fixtures: each fixture prompt reproduces greedy_text (max_tokens 64)."""
@@ -66,6 +69,7 @@ def _check_stream_stop(res, expected_content):
     assert res.finish_reasons()[-1] == "stop"
 
 
+@pytest.mark.timeout(900)  # generous only for overloaded shared machines
 def test_c05_c06_stop_strings(gateway):
     alpha = "Continue the alphabet after ABC"
     rep = "Repeat exactly: alpha beta gamma delta"
@@ -213,6 +217,7 @@ def test_c11_c12_c14_messages(gateway):
 # ----------------------------------------------------------------------------- C15, C16 determinism
 
 
+@pytest.mark.timeout(900)  # generous only for overloaded shared machines
 def test_c15_batch_invariance(gateway):
     body = chat_body(gateway, "List three colors.", max_tokens=16, temperature=0, logprobs=True)
 

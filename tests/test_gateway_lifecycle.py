@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import trio
 
 from plugins.gateway_server import chat_body, post_json, stream_post
@@ -76,6 +77,7 @@ def test_c25_disconnect_non_streaming(gateway):
     assert st["generation_tokens"] - base["generation_tokens"] < 2000
 
 
+@pytest.mark.timeout(900)
 async def test_64_concurrent_streams(gateway):
     prompts = ["Hi.", "Name a color.", "What is 2+2?", "Say something nice.", "Tell me a fact about the moon, please.",
                "Count to three.", "Write one word.", "Describe the sea " * 5]
@@ -115,6 +117,7 @@ async def test_64_concurrent_streams(gateway):
     assert gateway.wait_idle(60)["running"] == 0
 
 
+@pytest.mark.timeout(900)
 def test_backend_crash_mid_stream_then_recovery(make_gateway):
     """C24 (fault mid-stream): one error event, [DONE], connection closed; an in-flight non-stream request gets
     503; the supervisor restarts the backend and the next request succeeds. Also: heartbeats while waiting,
