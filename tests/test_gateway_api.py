@@ -186,3 +186,18 @@ def test_validation_errors_never_start_a_stream(gateway):
     res = stream_post(gateway, CHAT, chat_body(gateway, "hi", n=0))
     assert res.status == 400 and json.loads(res.body)["error"]["param"] == "n"
     assert not res.headers["content-type"].startswith("text/event-stream")
+
+
+def test_c30_cors_preflight_and_error_headers(gateway):
+    """C30: OPTIONS preflight is 204 with CORS headers and needs no auth; 401s carry CORS headers; streams
+    carry X-Accel-Buffering: no and Cache-Control: no-cache (checked in test_stream_headers_and_chunks)."""
+    origin = "http://example.test"
+    r = httpx.options(gateway.base_url + CHAT, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert r.status_code == 204
+    assert r.headers.get("access-control-allow-origin") in ("*", origin)
+    assert "authorization" in r.headers.get("access-control-allow-headers", "").lower()
+    r = httpx.post(gateway.base_url + CHAT, json=chat_body(gateway, "hi"), headers={"Origin": origin, "Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.headers.get("access-control-allow-origin") in ("*", origin)
+    res = stream_post(gateway, CHAT, chat_body(gateway, "hi", max_tokens=1))
+    assert res.headers["x-accel-buffering"] == "no" and res.headers["cache-control"] == "no-cache"
