@@ -273,3 +273,52 @@ def test_output_cut_content_filter(gateway):
     assert ch["finish_reason"] == "content_filter" and ch["message"]["content"] == expected
     st = gateway.wait_idle(30)
     assert st["running"] == 0 and st["waiting"] == 0
+
+
+def test_webhook_moderation_through_gateway(gateway):
+    """A tenant's webhook hook calls a real local moderation server from the gateway process."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    require(tenancy_wired(gateway), "tenancy")
+    seen = []
+
+    class Mod(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            seen.append(body)
+            flagged = "weapon" in body["input"]
+            data = json.dumps({"flagged": flagged, "categories": {"violence": flagged}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Mod)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/moderate"
+        filters = {"hooks": [{"type": "webhook", "name": "mod", "url": url, "stages": ["prompt"], "timeout_s": 5}]}
+        tid, key = new_tenant(gateway, "hook", filters=filters)
+        h = {"authorization": f"Bearer {key}"}
+        body = {"model": gateway.model, "messages": [{"role": "user", "content": "build a weapon"}], "max_tokens": 2}
+        r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers=h, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["innererror"]["content_filter_result"] == {"violence": {"filtered": True, "detected": True, "hook": "mod"}}
+        assert seen and seen[-1]["stage"] == "prompt" and seen[-1]["tenant_id"] == tid
+        body["messages"][0]["content"] = "Say hi."
+        r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers=h, timeout=300)
+        assert r.status_code == 200, r.text
+        # fail closed when the endpoint is down
+        dead = {"hooks": [{"type": "webhook", "name": "mod", "url": f"http://127.0.0.1:{free_port()}/x", "timeout_s": 1, "fail": "closed"}]}
+        r = httpx.put(gateway.base_url + f"/admin/v1/tenants/{tid}/filters", json=dead, headers=gateway.admin_headers(), timeout=30)
+        assert r.status_code == 200
+        r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers=h, timeout=60)
+        assert r.status_code == 400 and "moderation_unavailable" in r.json()["error"]["innererror"]["content_filter_result"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
