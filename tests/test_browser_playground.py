@@ -64,7 +64,7 @@ def browser():
 @pytest.fixture
 def gw(gateway):
     r = httpx.get(gateway.base_url + "/", timeout=30)
-    require(r.status_code == 200 and "Gateway Playground" in r.text, "the playground (gateway.static.playground_routes)")
+    require(r.status_code == 200 and "Gateway Playground" in r.text, "the playground (GET / -> gateway/static/index.html)")
     require(cors_wired(gateway), "gateway.cors.CORSMiddleware")
     require(tenancy_wired(gateway), "tenancy")
     return gateway
