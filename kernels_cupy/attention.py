@@ -115,6 +115,7 @@ class CupyAttention:
         self._streams: dict[int, Any] = {}
         self._num_sms: dict[int, int] = {}
         self._dummy: dict[int, Any] = {}
+        self._cfgs: dict[tuple, KernelConfig] = {}
 
     # ------------------------------------------------------------------ helpers
     # Hooks overridden by the CPU emulator (kernels_cupy/emu.py): kernel lookup, argument conversion,
@@ -216,6 +217,15 @@ class CupyAttention:
         self._meta, self._meta_arrays = meta, views
         return views
 
+    def _config(self, dtype: torch.dtype, D: int, bs: int, G: int) -> KernelConfig:
+        """The kernel specialisation (cached: built once per shape and tuning)."""
+        tuning = self.tuning or default_tuning(G)
+        key = (dtype, D, bs, G, tuple(sorted(tuning.items())))
+        cfg = self._cfgs.get(key)
+        if cfg is None:
+            cfg = self._cfgs[key] = KernelConfig(_DTYPE_NAMES[dtype], D, bs, G, **tuning)
+        return cfg
+
     def _check(self, dtype: torch.dtype, k_cache: torch.Tensor) -> None:
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"CupyAttention supports float16/bfloat16, not {dtype}")
@@ -242,7 +252,7 @@ class CupyAttention:
             return
         if k_cache.shape[2:] != (Hkv, D) or v_cache.shape != k_cache.shape:
             raise ValueError(f"key {tuple(key.shape)} does not match cache {tuple(k_cache.shape)}")
-        cfg = KernelConfig(_DTYPE_NAMES[key.dtype], D, k_cache.shape[1], 1)
+        cfg = self._config(key.dtype, D, k_cache.shape[1], 1)
         key, value = self._rows(key), self._rows(value)
         dev = key.device
         with self._launch_ctx(dev):
@@ -273,8 +283,7 @@ class CupyAttention:
         Hkv, bs = k_cache.shape[2], k_cache.shape[1]
         if H % Hkv:
             raise ValueError(f"{H} query heads not a multiple of {Hkv} KV heads")
-        G = H // Hkv
-        cfg = KernelConfig(_DTYPE_NAMES[query.dtype], D, bs, G, **(self.tuning or default_tuning(G)))
+        cfg = self._config(query.dtype, D, bs, H // Hkv)
         query = self._rows(query)
         if out is None:
             out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)
@@ -306,22 +315,13 @@ class CupyAttention:
         plans: list[tuple] = []
         nd = meta.num_decodes
         if nd:
-            max_len = max(meta.seq_lens_cpu[:nd])
-            ps = self.partition_size or choose_partition_size(Hkv, nd, max_len, bs, self._sms(dev))
-            ps = max(1, math.ceil(ps / bs)) * bs
-            parts = math.ceil(max_len / ps)
-            smem = decode_smem_bytes(ps, cfg.gqa, D, bs, cfg.decode_warps)
-            fn = self._fn(cfg, "paged_decode")
-            if smem > SMEM_DEFAULT_LIMIT:
-                fn.max_dynamic_shared_size_bytes = smem
-            if parts > 1:
-                fill = torch.full if self.poison_scratch else (lambda shape, v, **kw: torch.empty(shape, **kw))
-                tmp = fill((nd, H, parts, D), float("nan"), dtype=torch.float32, device=dev)
-                ml = fill((nd, H, parts), float("nan"), dtype=torch.float32, device=dev)
-                es = fill((nd, H, parts), float("nan"), dtype=torch.float32, device=dev)
-                tmp_c, ml_c, es_c = self._arg(tmp), self._arg(ml), self._arg(es)
-            else:
-                tmp_c = ml_c = es_c = self._dummy_array(dev)
+            # once per step (metadata) and shape: partition size, kernels and the v2 scratch, which every
+            # layer reuses (layer l+1's decode runs after layer l's reduce on the same stream)
+            key = ("decode", cfg, H, D, Hkv, bs, self.partition_size)
+            dec = mv.get(key)
+            if dec is None:
+                dec = mv[key] = self._decode_setup(cfg, nd, H, D, Hkv, bs, meta, dev)
+            fn, ps, parts, smem, tmp_c, ml_c, es_c = dec
             plans.append((fn, (Hkv, nd, parts), (32 * cfg.decode_warps,),
                           (o_c, np.int64(out.stride(0)), tmp_c, ml_c, es_c, q_c, np.int64(query.stride(0)),
                            kc, vc, mv["block_tables"], np.int32(mv["bt_stride"]), mv["seq_lens"],
@@ -336,6 +336,33 @@ class CupyAttention:
                            mv["block_tables"], np.int32(mv["bt_stride"]), mv["seq_lens"], mv["query_start_loc"],
                            mv["tiles"], np.int32(Hkv), np.float32(scale)), 0))
         return plans
+
+    def _decode_setup(self, cfg: KernelConfig, nd: int, H: int, D: int, Hkv: int, bs: int, meta, dev) -> tuple:
+        """``(kernel, partition_size, num_parts, shared_mem, tmp_out, max_logits, exp_sums)`` for a step.
+
+        Scratch (fp32, one allocation): ``tmp_out [nd, H, parts, D]``, ``max_logits/exp_sums [nd, H, parts]``;
+        NaN-filled when ``poison_scratch``; a 1-element dummy when one partition suffices.
+        """
+        max_len = max(meta.seq_lens_cpu[:nd])
+        ps = self.partition_size or choose_partition_size(Hkv, nd, max_len, bs, self._sms(dev))
+        ps = max(1, math.ceil(ps / bs)) * bs
+        parts = math.ceil(max_len / ps)
+        smem = decode_smem_bytes(ps, cfg.gqa, D, bs, cfg.decode_warps)
+        fn = self._fn(cfg, "paged_decode")
+        if smem > SMEM_DEFAULT_LIMIT:
+            fn.max_dynamic_shared_size_bytes = smem
+        if parts > 1:
+            n_tmp, n_ml = nd * H * parts * D, nd * H * parts
+            buf = torch.empty(n_tmp + 2 * n_ml, dtype=torch.float32, device=dev)
+            if self.poison_scratch:
+                buf.fill_(float("nan"))
+            tmp = buf[:n_tmp].view(nd, H, parts, D)
+            ml = buf[n_tmp : n_tmp + n_ml].view(nd, H, parts)
+            es = buf[n_tmp + n_ml :].view(nd, H, parts)
+            tmp_c, ml_c, es_c = self._arg(tmp), self._arg(ml), self._arg(es)
+        else:
+            tmp_c = ml_c = es_c = self._dummy_array(dev)
+        return fn, ps, parts, smem, tmp_c, ml_c, es_c
 
     def _dummy_array(self, dev: torch.device):
         idx = dev.index
