@@ -40,8 +40,10 @@ DEFAULT_KV_BYTES_CPU = 256 * 1024 * 1024
 DEFAULT_KV_BYTES_CUDA = 4 * 1024 * 1024 * 1024
 
 
-def load_weights(model_path: str | os.PathLike) -> tuple[LlamaWeights, ModelCard]:
+def load_weights(model_path: str | os.PathLike, *, keep_q4: bool = False) -> tuple[LlamaWeights, ModelCard]:
     """Load a GGUF file or a Hugging Face model directory into float32 weights + a card.
+
+    ``keep_q4``: also keep the raw 4-bit codes of Q4_0/Q4_1 GGUF matrices (``LlamaWeights.q4``).
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -55,7 +57,7 @@ def load_weights(model_path: str | os.PathLike) -> tuple[LlamaWeights, ModelCard
     if p.is_file():
         from backend.loaders.gguf import load_gguf
 
-        return load_gguf(p)
+        return load_gguf(p, keep_q4=keep_q4)
     raise FileNotFoundError(f"model not found: {p}")
 
 
@@ -88,6 +90,8 @@ class ModelRunner:
         block_size: tokens per KV block.
         kv_cache_bytes: KV pool budget in bytes over all layers (ignored when ``num_kv_blocks`` is given).
         num_kv_blocks: exact number of KV blocks.
+        int4_max_rows: steps of at most this many tokens use packed int4 matmuls (4-bit GGUF on CPU only);
+            ``None`` = 4 for bfloat16 on CPU, 0 (off) otherwise. See ``backend.models.llama.Linear``.
 
     Attributes:
         card: the ``ModelCard`` (dtype/device/attention_backend filled in).
@@ -109,6 +113,7 @@ class ModelRunner:
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         num_kv_blocks: int | None = None,
+        int4_max_rows: int | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)")
@@ -117,9 +122,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
-        weights, card = load_weights(model_path)
+        if int4_max_rows is None:
+            int4_max_rows = 4 if (self.device.type == "cpu" and self.dtype == torch.bfloat16) else 0
+        if self.device.type != "cpu":
+            int4_max_rows = 0
+        weights, card = load_weights(model_path, keep_q4=int4_max_rows > 0)
         self.config = weights.config
-        self.model = LlamaModel(weights, device=self.device, dtype=self.dtype)
+        self.model = LlamaModel(weights, device=self.device, dtype=self.dtype, int4_max_rows=int4_max_rows)
         del weights
         self.attn = make_attention_backend(attention_backend)
         cfg = self.config

@@ -35,15 +35,6 @@ def _valid_slots(meta: AttentionMetadata) -> bool:
     return v
 
 
-def _long_tables(meta: AttentionMetadata) -> torch.Tensor:
-    """``meta.block_tables`` as int64 (converted once per step; cached)."""
-    bt = getattr(meta, "_torch_ref_bt64", None)
-    if bt is None:
-        bt = meta.block_tables.long()
-        meta._torch_ref_bt64 = bt  # type: ignore[attr-defined]
-    return bt
-
-
 class TorchAttention:
     """``AttentionBackend`` in plain torch; see the module docstring."""
 
@@ -78,51 +69,70 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         """Attention of ``query [T, nh, hd]`` over the paged cache; returns ``[T, nh, hd]`` in ``query.dtype``."""
-        T, nh, hd = query.shape
+        plan = _plan(meta, query.device)
         nd = meta.num_decodes
-        B = meta.num_seqs
-        bs = meta.block_size
-        bt = _long_tables(meta)
-        if nd == B:
-            return self._decode(query, k_cache, v_cache, meta, bt, nd, scale)
+        if nd == meta.num_seqs:
+            return self._decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, bt, nd, scale)
-        row = nd
-        for i in range(nd, B):
-            n = meta.query_lens_cpu[i]
-            S = meta.seq_lens_cpu[i]
-            nblk = -(-S // bs)
-            k = k_cache[bt[i, :nblk]].flatten(0, 1)[:S].transpose(0, 1)  # [nkv, S, hd]
-            v = v_cache[bt[i, :nblk]].flatten(0, 1)[:S].transpose(0, 1)
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, plan, scale)
+        for row, n, S, blocks, mask in plan["prefills"]:
+            k = k_cache[blocks].flatten(0, 1)[:S].transpose(0, 1)  # [nkv, S, hd]
+            v = v_cache[blocks].flatten(0, 1)[:S].transpose(0, 1)
             q = query[row : row + n].transpose(0, 1)  # [nh, n, hd]
-            if n == S:
+            if mask is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                qpos = torch.arange(S - n, S, device=query.device)
-                kpos = torch.arange(S, device=query.device)
-                mask = kpos[None, :] <= qpos[:, None]  # [n, S]
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[row : row + n] = o.transpose(0, 1)
-            row += n
         return out
 
     @staticmethod
-    def _decode(query, k_cache, v_cache, meta, bt, nd: int, scale: float) -> torch.Tensor:
+    def _decode(query, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
         """One query per sequence for the first ``nd`` sequences, all at once: ``[nd, nh, hd]``."""
-        bs = meta.block_size
-        max_len = max(meta.seq_lens_cpu[:nd])
-        nblk = -(-max_len // bs)
-        L = nblk * bs
-        tables = bt[:nd, :nblk]
+        nd, L, tables, mask = plan["decode"]
         nkv, hd = k_cache.shape[-2:]
         k = k_cache[tables].view(nd, L, nkv, hd).transpose(1, 2)  # [nd, nkv, L, hd]
         v = v_cache[tables].view(nd, L, nkv, hd).transpose(1, 2)
         q = query[:nd].unsqueeze(2)  # [nd, nh, 1, hd]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+
+
+def _plan(meta: AttentionMetadata, device: torch.device) -> dict:
+    """Per-step gather indices and masks, shared by every layer (cached on the metadata object).
+
+    ``decode``: ``(nd, L, tables [nd, L/bs] int64, mask [nd, 1, 1, L] bool | None)``;
+    ``prefills``: per prefill sequence ``(first row, n new tokens, S keys, blocks [ceil(S/bs)] int64,
+    mask [n, S] bool | None (None: plain causal, n == S))``.
+    """
+    plan = getattr(meta, "_torch_ref_plan", None)
+    if plan is not None:
+        return plan
+    bs = meta.block_size
+    nd = meta.num_decodes
+    bt = meta.block_tables.long()
+    plan = {"decode": None, "prefills": []}
+    if nd:
+        max_len = max(meta.seq_lens_cpu[:nd])
+        nblk = -(-max_len // bs)
+        L = nblk * bs
         if nd == 1 and meta.seq_lens_cpu[0] == L:
             mask = None
         else:
-            mask = torch.arange(L, device=query.device)[None, :] < meta.seq_lens[:nd, None]
-            mask = mask[:, None, None, :]  # [nd, 1, 1, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+            mask = (torch.arange(L, device=device)[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+        plan["decode"] = (nd, L, bt[:nd, :nblk], mask)
+    row = nd
+    for i in range(nd, meta.num_seqs):
+        n = meta.query_lens_cpu[i]
+        S = meta.seq_lens_cpu[i]
+        blocks = bt[i, : -(-S // bs)]
+        if n == S:
+            mask = None
+        else:
+            qpos = torch.arange(S - n, S, device=device)
+            mask = torch.arange(S, device=device)[None, :] <= qpos[:, None]  # [n, S]
+        plan["prefills"].append((row, n, S, blocks, mask))
+        row += n
+    meta._torch_ref_plan = plan  # type: ignore[attr-defined]
+    return plan

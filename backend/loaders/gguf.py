@@ -60,6 +60,38 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def q4_groups(data: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Raw 4-bit codes of a Q4_0/Q4_1 tensor, for the int4 matmul path (``LlamaModel`` ``int4``).
+
+    Args:
+        data: the tensor's bytes as ``GGUFReader`` gives them, ``[N, K/32 * block_bytes] uint8``.
+        qtype: its ``gguf.GGMLQuantizationType``.
+
+    Returns:
+        ``(codes [N, K] uint8 in 0..15, scale [N, K/32] float32, zero [N, K/32] float32)`` with
+        ``w = (code - 8) * scale + zero`` (torch's int4pack convention; Q4_1: ``d*q + m`` gives
+        ``scale = d, zero = m + 8d``; Q4_0: ``d*(q-8)`` gives ``zero = 0``), or None for other types.
+    """
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if qtype not in (Q.Q4_0, Q.Q4_1):
+        return None
+    bb = 20 if qtype == Q.Q4_1 else 18
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, bb)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == Q.Q4_1:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+        zero = m + 8.0 * d
+    else:
+        qs = blocks[..., 2:]
+        zero = np.zeros_like(d)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # [N, K]
+    return torch.from_numpy(codes.copy()), torch.from_numpy(d.copy()), torch.from_numpy(zero.copy())
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -156,7 +188,7 @@ def read_gguf_config(reader) -> tuple[LlamaConfig, dict]:
     return cfg, meta
 
 
-def load_gguf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
+def load_gguf(path: str | Path, *, keep_q4: bool = False) -> tuple[LlamaWeights, ModelCard]:
     """Read and dequantize a llama GGUF file.
 
     Args:
@@ -166,6 +198,8 @@ def load_gguf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
         ``(weights, card)``: float32 CPU tensors in HF naming (see ``LlamaWeights``) and a ``ModelCard``
         (name = the file's stem, context length, vocab size, BOS, stop ids = eos + eot + eom,
         ``tokenizer.chat_template``, quantization = the file type name, e.g. ``"Q4_1"``).
+        With ``keep_q4``, ``weights.q4`` also holds the raw 4-bit codes of every Q4_0/Q4_1 layer
+        matrix (see ``q4_groups``; Q/K rows un-permuted like the float weights).
 
     Raises:
         FileNotFoundError: no such file.
@@ -180,6 +214,7 @@ def load_gguf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
     cfg, meta = read_gguf_config(reader)
     tensors: dict[str, torch.Tensor] = {}
     rope_freqs = None
+    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.ascontiguousarray(arr, dtype=np.float32)
@@ -195,11 +230,17 @@ def load_gguf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
         parts = t.name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_MAP and parts[3] == "weight":
             i, kind = int(parts[1]), parts[2]
-            if kind == "attn_q":
-                ten = unpermute_qk(ten, cfg.num_heads)
-            elif kind == "attn_k":
-                ten = unpermute_qk(ten, cfg.num_kv_heads)
-            tensors[f"model.layers.{i}.{_LAYER_MAP[kind]}.weight"] = ten
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
+            if heads:
+                ten = unpermute_qk(ten, heads)
+            name = f"model.layers.{i}.{_LAYER_MAP[kind]}.weight"
+            tensors[name] = ten
+            if keep_q4 and ten.dim() == 2:
+                raw = q4_groups(t.data, t.tensor_type)
+                if raw is not None:
+                    if heads:
+                        raw = tuple(unpermute_qk(r, heads) for r in raw)
+                    q4[name] = raw
         # other tensors (e.g. rope caches of old files) are ignored
     check_tensors(cfg, tensors)
     card = ModelCard(
@@ -213,7 +254,7 @@ def load_gguf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
         quantization=meta["quantization"],
         model_path=str(path),
     )
-    return LlamaWeights(config=cfg, tensors=tensors, rope_freqs=rope_freqs, meta=meta), card
+    return LlamaWeights(config=cfg, tensors=tensors, rope_freqs=rope_freqs, meta=meta, q4=q4), card
 
 
 def check_tensors(cfg: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:

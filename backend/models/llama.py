@@ -85,12 +85,15 @@ class LlamaWeights:
     ``.self_attn.{q,k,v,o}_proj.weight`` (``[nh*hd, H]``, ``[nkv*hd, H]``, ``[nkv*hd, H]``, ``[H, nh*hd]``),
     ``.post_attention_layernorm.weight [H]``, ``.mlp.{gate,up}_proj.weight [I, H]``, ``.mlp.down_proj.weight [H, I]``.
     ``rope_freqs`` (optional, ``[rope_dim/2]``): llama.cpp's per-frequency divisors (llama3 scaling in GGUF).
+    ``q4`` (optional): for 4-bit GGUF matrices, tensor name -> ``(codes [N, K] uint8, scale [N, K/32] f32,
+    zero [N, K/32] f32)`` with ``w = (code - 8) * scale + zero`` (``backend.loaders.gguf.q4_groups``).
     """
 
     config: LlamaConfig
     tensors: dict[str, torch.Tensor]
     rope_freqs: torch.Tensor | None = None
     meta: dict = field(default_factory=dict)
+    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def rope_inv_freq(config: LlamaConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,6 +131,44 @@ def rope_inv_freq(config: LlamaConfig, rope_freqs: torch.Tensor | None = None) -
     return inv_freq
 
 
+class Linear:
+    """``y = x @ W.T`` with ``W [N, K]``; optionally a packed 4-bit copy for few-row inputs.
+
+    Dense weights are kept transposed-contiguous as ``W`` ``[N, K]`` in the compute dtype. With
+    ``q4`` (``codes [N, K] uint8, scale [N, K/32], zero [N, K/32]``) on CPU, inputs of at most
+    ``int4_max_rows`` rows use ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (reads 4 bits per weight
+    instead of 16/32: a memory-bound decode step gets ~3x faster); the result is the same matmul
+    against the same (dequantized) weights up to float rounding.
+    """
+
+    __slots__ = ("w", "packed", "sz", "group", "int4_max_rows")
+
+    def __init__(self, w: torch.Tensor, q4=None, *, dtype: torch.dtype, device: torch.device, int4_max_rows: int = 0):
+        self.w = w.to(device=device, dtype=dtype).contiguous()
+        self.packed = self.sz = None
+        self.group = 32
+        self.int4_max_rows = int4_max_rows
+        if q4 is not None and int4_max_rows > 0:
+            codes, scale, zero = q4
+            n, k = codes.shape
+            self.group = k // scale.shape[1]
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+            self.sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` (compute dtype) -> ``[M, N]`` (compute dtype)."""
+        if self.packed is not None and x.shape[0] <= self.int4_max_rows:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
+        return torch.mm(x, self.w.t())
+
+
+def _cat_q4(parts):
+    """Concatenate ``q4`` triples along N (None if any part lacks one)."""
+    if any(p is None for p in parts):
+        return None
+    return tuple(torch.cat([p[i] for p in parts], 0) for i in range(3))
+
+
 class LlamaModel:
     """Llama decoder on one device, in one compute dtype; no autograd.
 
@@ -136,62 +177,87 @@ class LlamaModel:
             layer by layer to bound peak memory).
         device: ``"cpu"`` or ``"cuda[:n]"``.
         dtype: compute dtype of the matmuls (``torch.float32``, ``torch.bfloat16``, ``torch.float16``).
+        int4_max_rows: on CPU with ``weights.q4`` (4-bit GGUF), steps of at most this many new tokens use
+            the packed int4 matmul (0 disables). ``None``: 4 for bfloat16 on CPU, else 0 (the fp32 int4
+            kernel is slower than the dense one).
 
     Attributes:
         config: the ``LlamaConfig``.
         kv_dtype: dtype of the KV cache (== the compute dtype).
     """
 
-    def __init__(self, weights: LlamaWeights, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    #: steps with at most this many tokens build per-token RoPE matrices and rotate Q and K with one bmm
+    ROPE_BMM_MAX_TOKENS = 64
+
+    def __init__(
+        self,
+        weights: LlamaWeights,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        int4_max_rows: int | None = None,
+    ):
         cfg = weights.config
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_dtype = dtype
+        if int4_max_rows is None:
+            int4_max_rows = 4 if (self.device.type == "cpu" and dtype == torch.bfloat16) else 0
+        if self.device.type != "cpu":
+            int4_max_rows = 0
+        self.int4_max_rows = int4_max_rows if weights.q4 else 0
         t = weights.tensors
+        q4 = weights.q4
         dev = self.device
 
-        def mat(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device=dev, dtype=dtype).contiguous()
+        def lin(names: list[str]) -> Linear:
+            w = torch.cat([t.pop(n) for n in names], 0) if len(names) > 1 else t.pop(names[0])
+            q = _cat_q4([q4.pop(n, None) for n in names]) if self.int4_max_rows else None
+            return Linear(w, q, dtype=dtype, device=dev, int4_max_rows=self.int4_max_rows)
 
         def vec(x: torch.Tensor) -> torch.Tensor:  # norm weights stay float32
             return x.to(device=dev, dtype=torch.float32).contiguous()
 
-        self.embed = mat(t["model.embed_tokens.weight"])
-        self.layers: list[dict[str, torch.Tensor]] = []
+        self.embed = t["model.embed_tokens.weight"].to(device=dev, dtype=dtype).contiguous()
+        self.layers: list[tuple] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat(
-                [t.pop(p + "self_attn.q_proj.weight"), t.pop(p + "self_attn.k_proj.weight"), t.pop(p + "self_attn.v_proj.weight")], 0
-            )
-            gate_up = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")], 0)
             self.layers.append(
-                {
-                    "ln1": vec(t.pop(p + "input_layernorm.weight")),
-                    "qkv": mat(qkv),
-                    "o": mat(t.pop(p + "self_attn.o_proj.weight")),
-                    "ln2": vec(t.pop(p + "post_attention_layernorm.weight")),
-                    "gate_up": mat(gate_up),
-                    "down": mat(t.pop(p + "mlp.down_proj.weight")),
-                }
+                (
+                    vec(t.pop(p + "input_layernorm.weight")),
+                    lin([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]),
+                    lin([p + "self_attn.o_proj.weight"]),
+                    vec(t.pop(p + "post_attention_layernorm.weight")),
+                    lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    lin([p + "mlp.down_proj.weight"]),
+                )
             )
         self.norm = vec(t["model.norm.weight"])
         if "lm_head.weight" in t and not cfg.tie_word_embeddings:
-            self.lm_head = mat(t["lm_head.weight"])
+            self.lm_head = t["lm_head.weight"].to(device=dev, dtype=dtype).contiguous()
         else:
             self.lm_head = self.embed
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)
         self._cos = self._sin = None
         self._rope_len = 0
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        hd, rd = cfg.head_dim, cfg.rope_dim
+        # rotate_half as a matrix: rotate_half(x) == x @ P on the first rope_dim dims
+        P = torch.zeros(hd, hd)
+        h = rd // 2
+        for i in range(h):
+            P[i + h, i] = -1.0
+            P[i, i + h] = 1.0
+        self._rot_p = P.to(dev)
+        self._eye_pass = torch.diag(torch.cat([torch.zeros(rd), torch.ones(hd - rd)])).to(dev)
+        self.q_size = cfg.num_heads * hd
+        self.kv_size = cfg.num_kv_heads * hd
+        self.scale = hd**-0.5
 
     # ------------------------------------------------------------------ rope
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables ``[n, rope_dim] float32`` on the device, grown to cover ``max_pos``."""
         if max_pos >= self._rope_len:
-            n = max(self.config.context_length, 1 << (max_pos + 1 - 1).bit_length(), 256)
+            n = max(self.config.context_length, 1 << max_pos.bit_length(), 256)
             pos = torch.arange(n, dtype=torch.int64).to(torch.float32)
             freqs = pos[:, None] * self.inv_freq[None, :]  # same fp32 product as HF's matmul
             emb = torch.cat([freqs, freqs], dim=-1)
@@ -205,6 +271,22 @@ class LlamaModel:
         cos, sin = self._rope_tables(max_pos)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
+    def rope_matrices(self, positions: torch.Tensor, max_pos: int) -> torch.Tensor:
+        """Per-token RoPE matrices ``[T, hd, hd]`` (compute dtype): ``rope(x) == x @ M[t]``.
+
+        ``M = diag(cos) + P * sin`` on the rotated dims (identity on the others), with ``P`` the
+        rotate-half matrix; each output element is ``x_i cos_i +- x_j sin_i`` (exact zeros elsewhere).
+        """
+        cos, sin = self._rope_tables(max_pos)
+        rd, hd = self.config.rope_dim, self.config.head_dim
+        c, s = cos[positions], sin[positions]  # [T, rd]
+        if rd < hd:
+            pad = torch.zeros(c.shape[0], hd - rd, device=c.device)
+            c, s = torch.cat([c, pad], 1), torch.cat([s, pad], 1)
+        eye = torch.eye(hd, device=c.device)
+        m = eye * c[:, None, :] + self._rot_p * s[:, None, :] + self._eye_pass
+        return m.to(self.dtype)
+
     def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """HF rotate-half RoPE on ``x [T, heads, head_dim]`` in float32; returns the compute dtype."""
         rd = self.config.rope_dim
@@ -217,10 +299,6 @@ class LlamaModel:
             x1, x2 = xr.chunk(2, dim=-1)
             out = torch.cat([xr * cos + torch.cat((-x2, x1), dim=-1) * sin, xp], dim=-1)
         return out.to(self.dtype)
-
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of float32 ``x [T, H]`` (HF order: normalize in fp32, cast, then scale)."""
-        return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_norm_eps).to(self.dtype)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -251,24 +329,35 @@ class LlamaModel:
         """
         cfg = self.config
         T = token_ids.shape[0]
-        x = self.embed[token_ids].float()  # residual stream in fp32: [T, H]
-        cos, sin = self.rope_cos_sin(positions, max_pos)
+        dtype = self.dtype
+        eps = cfg.rms_norm_eps
+        H = cfg.hidden_size
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, ks = self.q_size, self.kv_size
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = self._rms(x, layer["ln1"])
-            qkv = torch.mm(h, layer["qkv"].t())
-            q = self._apply_rope(qkv[:, :qs].view(T, nh, hd), cos, sin)
-            k = self._apply_rope(qkv[:, qs : qs + ks].view(T, nkv, hd), cos, sin)
+        x = self.embed[token_ids].float()  # residual stream in fp32: [T, H]
+        use_bmm = T <= self.ROPE_BMM_MAX_TOKENS
+        if use_bmm:
+            rot = self.rope_matrices(positions, max_pos)  # [T, hd, hd]
+        else:
+            cos, sin = self.rope_cos_sin(positions, max_pos)
+        for (ln1, qkv_w, o_w, ln2, gu_w, down_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = F.rms_norm(x, (H,), ln1, eps).to(dtype)
+            qkv = qkv_w(h)
+            if use_bmm:
+                qk = torch.bmm(qkv[:, : qs + ks].view(T, nh + nkv, hd), rot)
+                q, k = qk[:, :nh], qk[:, nh:]
+            else:
+                q = self._apply_rope(qkv[:, :qs].view(T, nh, hd), cos, sin)
+                k = self._apply_rope(qkv[:, qs : qs + ks].view(T, nkv, hd), cos, sin)
             v = qkv[:, qs + ks :].view(T, nkv, hd)
             attn.write_kv(k, v, k_cache, v_cache, meta)
             o = attn.forward(q, k_cache, v_cache, meta, self.scale)
-            x = x + torch.mm(o.reshape(T, qs), layer["o"].t()).float()
-            h = self._rms(x, layer["ln2"])
-            gu = torch.mm(h, layer["gate_up"].t())
+            x = x + o_w(o.reshape(T, qs))
+            h = F.rms_norm(x, (H,), ln2, eps).to(dtype)
+            gu = gu_w(h)
             g, u = gu.chunk(2, dim=-1)
-            x = x + torch.mm(F.silu(g) * u, layer["down"].t()).float()
+            x = x + down_w(F.silu(g) * u)
         if logit_rows is None or logit_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        hl = self._rms(x[logit_rows], self.norm)
+        hl = F.rms_norm(x[logit_rows], (H,), self.norm, eps).to(dtype)
         return torch.mm(hl, self.lm_head.t()).float()

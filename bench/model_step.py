@@ -1,0 +1,171 @@
+"""Time ``ModelRunner.execute`` alone (no engine, no sampling): decode batches and a long prefill.
+
+For each dtype: decode steps of B sequences (one new token each, every sequence with ``--context``
+cached tokens, distinct block tables) for each B in ``--batches``, then one prefill of
+``--prefill`` tokens. Reports the median and best step time and tokens/s, and, with ``--profile``,
+where a single-stream decode step's time goes (matmul kernels vs everything else, from
+``torch.profiler``). ``--append`` adds a dated entry to docs/perf.md.
+
+Usage::
+
+    .venv/bin/python bench/model_step.py                       # fp32 + bf16, B = 1, 8, 32, 64
+    .venv/bin/python bench/model_step.py --dtypes bfloat16 --batches 1 --profile
+    .venv/bin/python bench/model_step.py --append              # also write docs/perf.md
+
+The machine is shared: the load average before/after is printed, and is part of the perf entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from backend.batch import SeqChunk  # noqa: E402
+from backend.model_path import default_model_path  # noqa: E402
+from backend.model_runner import ModelRunner  # noqa: E402
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::linear")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _time(fn, steps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_dtype(args, dtype: str) -> list[str]:
+    bs = 16
+    ctx = args.context
+    max_b = max(args.batches)
+    ctx_blocks = -(-(ctx + 1) // bs)
+    need = max_b * ctx_blocks + -(-args.prefill // bs) + 1
+    t0 = time.perf_counter()
+    r = ModelRunner(args.model, dtype=dtype, block_size=bs, num_kv_blocks=need, device=args.device)
+    load_s = time.perf_counter() - t0
+    rows = [f"| {dtype} | load | {load_s:.1f} s | | |"]
+    print(f"[{dtype}] loaded in {load_s:.1f}s, {r.num_kv_blocks} KV blocks", flush=True)
+    # fill every sequence's context once (one prefill each, chunked to bound memory)
+    prompt = [(i * 37) % 4000 + 100 for i in range(ctx)]
+    tables = [list(range(i * ctx_blocks, (i + 1) * ctx_blocks)) for i in range(max_b)]
+    for i in range(max_b):
+        r.execute([SeqChunk(prompt, 0, tables[i], False)])
+    for B in args.batches:
+        chunks = [SeqChunk([5 + i], ctx, tables[i], True) for i in range(B)]
+        ts = _time(lambda: r.execute(chunks), args.steps)
+        med, best = statistics.median(ts), min(ts)
+        print(f"[{dtype}] decode B={B:3d}: median {med * 1e3:7.1f} ms  best {best * 1e3:7.1f} ms  "
+              f"-> {B / med:7.1f} tok/s (best {B / best:7.1f})", flush=True)
+        rows.append(f"| {dtype} | decode B={B} (ctx {ctx}) | {med * 1e3:.1f} ms (best {best * 1e3:.1f}) | "
+                    f"{B / med:.1f} tok/s (best {B / best:.1f}) | |")
+    if args.prefill:
+        base = max_b * ctx_blocks
+        pt = list(range(base, base + -(-args.prefill // bs)))
+        ids = [(i * 91) % 30000 + 50 for i in range(args.prefill)]
+        ts = _time(lambda: r.execute([SeqChunk(ids, 0, pt, True)]), max(1, args.steps // 5), warmup=1)
+        med, best = statistics.median(ts), min(ts)
+        print(f"[{dtype}] prefill {args.prefill}: median {med:.3f} s best {best:.3f} s "
+              f"-> {args.prefill / med:.0f} tok/s", flush=True)
+        rows.append(f"| {dtype} | prefill {args.prefill} tokens | {med * 1e3:.0f} ms (best {best * 1e3:.0f}) | "
+                    f"{args.prefill / med:.0f} tok/s | |")
+    if args.profile:
+        from torch.profiler import profile
+
+        chunk = [SeqChunk([5], ctx, tables[0], True)]
+        _time(lambda: r.execute(chunk), 2)
+        n = 10
+        with profile() as prof:
+            for _ in range(n):
+                r.execute(chunk)
+        total = mm = 0.0
+        calls = 0
+        for ev in prof.key_averages():
+            total += ev.self_cpu_time_total
+            calls += ev.count
+            if ev.key in MATMUL_OPS:
+                mm += ev.self_cpu_time_total
+        step_ms = total / n / 1e3
+        print(f"[{dtype}] B=1 profile: {step_ms:.1f} ms/step of op self-time, matmul {mm / n / 1e3:.1f} ms "
+              f"({100 * mm / max(total, 1):.0f}%), other ops {(total - mm) / n / 1e3:.1f} ms; "
+              f"{calls / n:.0f} op calls/step", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        rows.append(f"| {dtype} | B=1 profile | matmul {mm / n / 1e3:.1f} ms + other ops {(total - mm) / n / 1e3:.1f} ms"
+                    f" | {calls / n:.0f} op calls/step | |")
+    del r
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: the default model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=128, help="cached tokens per decode sequence")
+    ap.add_argument("--prefill", type=int, default=2000, help="prefill length (0: skip)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per decode batch size")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--profile", action="store_true", help="profile a B=1 decode step")
+    ap.add_argument("--append", action="store_true", help="append the results to docs/perf.md")
+    args = ap.parse_args()
+    args.model = args.model or default_model_path()
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()
+    rows: list[str] = []
+    for dt in args.dtypes.split(","):
+        rows += bench_dtype(args, dt)
+    load1 = os.getloadavg()
+    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}")
+    if args.append:
+        cmd = "python bench/model_step.py " + " ".join(sys.argv[1:])
+        entry = [
+            "",
+            f"## model step (ModelRunner.execute) — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+            "",
+            f"- machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), device {args.device}",
+            f"- model: {Path(args.model).name}; command: `{cmd}`",
+            f"- load average (1 min) before/after: {load0[0]:.2f} / {load1[0]:.2f} (shared machine)",
+            "",
+            "| dtype | case | step time | throughput | |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+        perf = ROOT / "docs" / "perf.md"
+        if not perf.exists():
+            perf.write_text("# Performance measurements\n")
+        with perf.open("a") as f:
+            f.write("\n".join(entry))
+        print(f"appended to {perf}")
+
+
+if __name__ == "__main__":
+    main()
