@@ -33,7 +33,6 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
 from typing import Any, AsyncIterator, Mapping
 
 import trio
@@ -208,7 +207,8 @@ class Reservation:
         self.request_id = request_id
         self.started_at = time.time()
         self.headers: dict[str, str] = headers_for(results)
-        self.final_headers: dict[str, str] = dict(self.headers)
+        self._final_headers: dict[str, str] | None = None
+        self._final_results: list[DimResult] | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -245,6 +245,19 @@ class Reservation:
     def used_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def final_headers(self) -> dict[str, str]:
+        """``x-ratelimit-*`` after the true-up (computed on first access; before exit: the admission's)."""
+        if not self.closed:
+            return dict(self.headers)
+        if self._final_headers is None:
+            if self._final_results is not None:
+                results = self._final_results
+            else:  # in-process: the state now
+                results = self._tenancy.limiter.peek_now([d for d in self._dims if d.kind == "bucket"])
+            self._final_headers = headers_for([r for r in results if r.dim.kind == "bucket"])
+        return self._final_headers
+
     async def aclose(self, exc: BaseException | None = None) -> dict[str, str]:
         """True up the reservation and write the ledger row; idempotent; cancel-shielded (bounded to 5 s
         with Redis). Returns the headers after the true-up."""
@@ -259,13 +272,21 @@ class Reservation:
             else:
                 self.status, self.finish_reason = 500, "error"
         self.timings.setdefault("total_s", round(time.time() - self.started_at, 6))
+        t = self._tenancy
+        if not t.limiter.shared:
+            try:
+                t._release_now(self)  # in-process: synchronous (no checkpoint), nothing to shield
+            except Exception:
+                log.exception("tenancy: true-up failed for tenant %s", self.principal.tenant_id)
+            t._record(self)
+            return self.final_headers
         with trio.CancelScope(shield=True):
             try:
                 with trio.fail_after(5):
-                    self.final_headers = await self._tenancy._release(self)
+                    self._final_results = await t._release(self)
             except Exception:
                 log.exception("tenancy: true-up failed for tenant %s", self.principal.tenant_id)
-            self._tenancy._record(self)
+            t._record(self)
         return self.final_headers
 
 
@@ -317,6 +338,7 @@ class Tenancy:
         self.ledger = UsageLedger(self.store)
         self._cache: dict[str, tuple[float, KeyRecord, TenantRecord]] = {}
         self._misses: dict[str, float] = {}  # digest of an unknown key -> monotonic expiry
+        self._day_start, self._day_text = -1.0, ""
         self._seeds: dict[str, int] = {}  # daily counter key -> tokens in the ledger when first seen
         self._seed_day = ""
         self._announce = announce or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
@@ -487,10 +509,7 @@ class Tenancy:
         if prompt_tokens < 0 or max_tokens < 0:
             raise ValueError("token counts must be >= 0")
         now = time.time()
-        day = utc_day(now)
-        dt = datetime.fromtimestamp(now, timezone.utc)
-        midnight = (dt + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
-        ttl = max(0.001, midnight.timestamp() - now)
+        day, ttl = self._day(now)
         tokens = prompt_tokens + max_tokens
         dims = self._dims(principal, tokens, day, ttl)
         member = request_id or secrets.token_hex(8)
@@ -526,23 +545,37 @@ class Tenancy:
     async def peek_headers(self, principal: Principal) -> dict[str, str]:
         """Current ``x-ratelimit-*`` headers of a principal without reserving anything."""
         now = time.time()
-        dims = [d for d in self._dims(principal, 0, utc_day(now), 1.0) if d.kind == "bucket"]
+        dims = [d for d in self._dims(principal, 0, self._day(now)[0], 1.0) if d.kind == "bucket"]
         if not dims:
             return {}
         return headers_for(await self.limiter.peek(dims))
 
-    async def _release(self, res: Reservation) -> dict[str, str]:
-        if not res._dims:
-            return {}
+    @staticmethod
+    def _refunds(res: Reservation) -> dict[str, int]:
         refund = res.reserved_tokens - res.used_tokens
-        refunds = {d.key: refund for d in res._dims if d.name in ("tokens", "daily_tokens")}
-        results = await self.limiter.release(res._dims, res._member, refunds)
-        return headers_for([r for r in results if r.dim.kind == "bucket"])
+        return {d.key: refund for d in res._dims if d.name in ("tokens", "daily_tokens")}
+
+    def _day(self, now: float) -> tuple[str, float]:
+        """(UTC day ``YYYY-MM-DD``, seconds until the next UTC midnight) of UNIX time ``now`` (POSIX days are
+        86400 s)."""
+        start = now - (now % 86400.0)
+        if start != self._day_start:
+            self._day_start, self._day_text = start, utc_day(start)
+        return self._day_text, max(0.001, start + 86400.0 - now)
+
+    def _release_now(self, res: Reservation) -> None:
+        if res._dims:
+            self.limiter.release_now(res._dims, res._member, self._refunds(res), report=False)
+
+    async def _release(self, res: Reservation) -> list[DimResult]:
+        if not res._dims:
+            return []
+        return await self.limiter.release(res._dims, res._member, self._refunds(res))
 
     def _record(self, res: Reservation) -> None:
         p = res.principal
         self.ledger.record({
-            "ts": time.time(), "day": utc_day(), "tenant_id": p.tenant_id, "key_id": p.key_id,
+            "ts": (now := time.time()), "day": self._day(now)[0], "tenant_id": p.tenant_id, "key_id": p.key_id,
             "key_prefix": p.key_prefix, "request_id": res.request_id, "model": res.model,
             "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
             "completion_tokens": res.completion_tokens, "total_tokens": res.used_tokens,

@@ -87,8 +87,10 @@ class LocalLimiter:
                 self._daily[d.key] = self._daily.get(d.key, d.seed) + d.cost
         return Outcome(True, results)
 
-    def release_now(self, dims: list[Dim], member: str, refunds: dict[str, int]) -> list[DimResult]:
-        """Give back ``refunds[key]`` units per dimension (negative = charge more) and free concurrency."""
+    def release_now(self, dims: list[Dim], member: str, refunds: dict[str, int], *,
+                    report: bool = True) -> list[DimResult]:
+        """Give back ``refunds[key]`` units per dimension (negative = charge more) and free concurrency;
+        returns the state after (``[]`` with ``report=False``)."""
         now = self._clock()
         for d in dims:
             refund = refunds.get(d.key, 0)
@@ -103,7 +105,7 @@ class LocalLimiter:
                     self._conc.pop(d.key, None)
             else:
                 self._daily[d.key] = max(0, self._daily.get(d.key, d.seed) - refund)
-        return self.peek_now(dims)
+        return self.peek_now(dims) if report else []
 
     def peek_now(self, dims: list[Dim]) -> list[DimResult]:
         now = self._clock()
