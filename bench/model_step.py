@@ -48,13 +48,21 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time(fn, steps: int, warmup: int = 2) -> list[float]:
+    """Wall time of ``fn()`` per call (seconds), device-synchronized."""
     for _ in range(warmup):
         fn()
+    _sync()
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
         fn()
+        _sync()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -66,7 +74,8 @@ def bench_dtype(args, dtype: str) -> list[str]:
     ctx_blocks = -(-(ctx + 1) // bs)
     need = max_b * ctx_blocks + -(-args.prefill // bs) + 1
     t0 = time.perf_counter()
-    r = ModelRunner(args.model, dtype=dtype, block_size=bs, num_kv_blocks=need, device=args.device)
+    r = ModelRunner(args.model, dtype=dtype, block_size=bs, num_kv_blocks=need, device=args.device,
+                    attention_backend=args.attention)
     load_s = time.perf_counter() - t0
     rows = [f"| {dtype} | load | {load_s:.1f} s | | |"]
     print(f"[{dtype}] loaded in {load_s:.1f}s, {r.num_kv_blocks} KV blocks", flush=True)
@@ -124,6 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: the default model)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attention", default="torch", help="attention backend: torch or cupy")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128, help="cached tokens per decode sequence")
@@ -132,6 +142,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--profile", action="store_true", help="profile a B=1 decode step")
     ap.add_argument("--append", action="store_true", help="append the results to docs/perf.md")
+    ap.add_argument("--perf-file", default=None, help="append the entry to this file instead of docs/perf.md")
     args = ap.parse_args()
     args.model = args.model or default_model_path()
     args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -143,14 +154,16 @@ def main() -> None:
         rows += bench_dtype(args, dt)
     load1 = os.getloadavg()
     print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}")
-    if args.append:
+    if args.append or args.perf_file:
         cmd = "python bench/model_step.py " + " ".join(sys.argv[1:])
         entry = [
             "",
             f"## model step (ModelRunner.execute) — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
             "",
             f"- machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), device {args.device}",
+            f"({torch.get_num_threads()} threads), device {args.device}"
+            + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
+            + f", attention {args.attention}",
             f"- model: {Path(args.model).name}; command: `{cmd}`",
             f"- load average (1 min) before/after: {load0[0]:.2f} / {load1[0]:.2f} (shared machine)",
             "",
@@ -159,7 +172,7 @@ def main() -> None:
             *rows,
             "",
         ]
-        perf = ROOT / "docs" / "perf.md"
+        perf = Path(args.perf_file) if args.perf_file else ROOT / "docs" / "perf.md"
         if not perf.exists():
             perf.write_text("# Performance measurements\n")
         with perf.open("a") as f:
