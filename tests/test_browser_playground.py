@@ -52,8 +52,8 @@ def browser():
 
     udd = tempfile.mkdtemp(prefix="chromium-")
     with sync_playwright() as p:
-        # bypass_csp: Playwright's own polling predicates use eval, which the page's CSP forbids.
-        ctx = p.chromium.launch_persistent_context(udd, executable_path=CHROMIUM, headless=True, args=ARGS, bypass_csp=True)
+        # The page's CSP forbids eval: wait_for_function gets functions ("() => ..."), never expression strings.
+        ctx = p.chromium.launch_persistent_context(udd, executable_path=CHROMIUM, headless=True, args=ARGS)
         try:
             yield ctx
         finally:
@@ -74,8 +74,13 @@ def gw(gateway):
 def page(browser):
     pg = browser.new_page()
     pg.set_default_timeout(SLOW)
+    console: list[str] = []
+    pg.on("console", lambda m: console.append(m.text))
+    pg.requested = []  # every URL the page fetched
+    pg.on("request", lambda r: pg.requested.append(r.url))
     yield pg
     pg.close()
+    assert not [c for c in console if "Content Security Policy" in c], console
 
 
 def open_playground(page, base_url: str, key: str, *, api_base: str = "", max_tokens: int = 16, temperature: float = 0.0,
@@ -87,7 +92,7 @@ def open_playground(page, base_url: str, key: str, *, api_base: str = "", max_to
     page.fill("#api-base", api_base)
     page.dispatch_event("#api-base", "change")
     if model is None:  # the page fills it from GET /v1/models (needs a valid key)
-        page.wait_for_function("document.getElementById('model').value !== ''")
+        page.wait_for_function("() => document.getElementById('model').value !== ''")
     else:
         page.fill("#model", model)
     page.fill("#max-tokens", str(max_tokens))
@@ -124,8 +129,9 @@ def test_stream_grows_then_stats(gw, page):
     assert stats["tps"].endswith(" tok/s") and float(stats["tps"].split()[0]) > 0
     assert re.fullmatch(r"\d+ cached", stats["cached"]) and re.fullmatch(r"\d+ prompt", stats["prompt"])
     assert 3 <= int(stats["completion"].split()[0]) <= 16
-    # the key was kept in localStorage; a second turn reuses the prefix (cached tokens > 0 if prefix caching)
-    assert page.evaluate("localStorage.getItem('gw.apiKey')") == key
+    assert page.evaluate("localStorage.getItem('gw.apiKey')") == key  # the key is kept in localStorage
+    # no CDN: every byte came from the gateway
+    assert page.requested and all(u.startswith(gw.base_url + "/") for u in page.requested), page.requested
 
 
 def test_stop_aborts_backend(gw, page):
@@ -133,7 +139,7 @@ def test_stop_aborts_backend(gw, page):
     open_playground(page, gw.base_url, key, max_tokens=2000, temperature=0.8)
     before = gw.stats()["aborts"]
     send(page, "Tell me a very long story about a dragon and a knight.")
-    page.wait_for_function("document.querySelector('.msg.assistant:last-child .content').textContent.length > 5")
+    page.wait_for_function("() => document.querySelector('.msg.assistant:last-child .content').textContent.length > 5")
     t_stop = time.monotonic()
     page.click("#stop")
     assert wait_state(page, "stopped") == "stopped"
