@@ -193,7 +193,8 @@ def test_blocked_prompt_and_cut_output_shown(gw, page):
         pytest.skip("the gateway does not wire the output filter (Generation) in yet (see docs/filters.md)")
     send(page, COUNT)
     assert wait_state(page, "cut", "done", "error") == "cut"
-    assert "cut by the content filter" in last_answer(page).locator(".notice").inner_text()
+    note = last_answer(page).locator(".notice").inner_text()
+    assert "cut by the content filter" in note and "no-threes" in note and "digits" in note, note
     assert "3" not in last_answer(page).locator(".content").inner_text()
 
 
