@@ -132,3 +132,118 @@ def test_e2e_openapi_covers_admin_and_chat(gw):
     paths = r.json()["paths"]
     assert "/v1/chat/completions" in paths and "/admin/v1/tenants/{tenant_id}/limits" in paths
     json.dumps(r.json())
+
+
+# ----------------------------------------------------------------------------- several gateway processes
+
+
+def _start_redis(tmp_path):
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (make sysdeps)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def _start_backend(tmp_path, model_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    sock = str(tmp_path / "backend.sock")
+    log = open(tmp_path / "backend.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{sock}"],
+                            cwd=str(Path(__file__).resolve().parent.parent), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp_path / "backend.log").read_text(errors="replace")[-2000:])
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(sock)
+            break
+        except OSError:
+            time.sleep(0.2)
+    return proc, f"unix:{sock}"
+
+
+def test_e2e_two_gateways_share_redis_limits_and_db_survives_restart(gw, make_gateway, tmp_path, model_path):
+    """Two gateway processes (one shared backend, one SQLite DB, one Redis) admit exactly the limit in total;
+    a revocation made through one applies in the other; a third process started on the same DB still has
+    the usage and the revocation."""
+    redis_proc, redis_url = _start_redis(tmp_path)
+    backend_proc, backend_url = _start_backend(tmp_path, model_path)
+    db = str(tmp_path / "shared.sqlite")
+    try:
+        common = ("--backend-url", backend_url, "--redis-url", redis_url, "--db", db)
+        g1 = make_gateway(*common)
+        g2 = make_gateway(*common)
+        t, key = new_tenant(g1, "shared", rpm=10, window_s=3600)
+        _, key2 = new_tenant(g1, "other")
+        body = {"model": g1.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        codes: list[int] = []
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=60)) as c:
+                async def one(g):
+                    r = await c.post(g.base_url + "/v1/chat/completions", json=body,
+                                     headers={"authorization": f"Bearer {key}"})
+                    codes.append(r.status_code)
+
+                async with trio.open_nursery() as n:
+                    for i in range(50):
+                        n.start_soon(one, (g1, g2)[i % 2])
+
+        trio.run(burst)
+        assert codes.count(200) == 10 and codes.count(429) == 40, codes
+
+        # revoke key2 through g1: g2 refuses it within its 1 s cache TTL
+        assert chat(g2, key2).status_code == 200
+        keys = httpx.get(g1.base_url + "/admin/v1/tenants", headers=g1.admin_headers(), timeout=30).json()["data"]
+        other = [x for x in keys if x["name"].startswith("other-")][0]
+        kid = httpx.get(g1.base_url + f"/admin/v1/tenants/{other['id']}/keys", headers=g1.admin_headers(),
+                        timeout=30).json()["data"][0]["id"]
+        assert httpx.delete(g1.base_url + f"/admin/v1/keys/{kid}", headers=g1.admin_headers(), timeout=30).status_code == 200
+        import time as _time
+
+        _time.sleep(1.2)
+        assert chat(g2, key2).status_code == 401
+
+        # restart: the usage API flushes the ledger; then both processes are killed hard (a graceful stop would
+        # also shut the shared backend down; graceful ledger flushing is tested in test_tenancy_store.py) and
+        # a new gateway process opens the same DB
+        for g in (g1, g2):
+            httpx.get(g.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=g.admin_headers(), timeout=30)
+            g.proc.kill()
+            g.proc.wait(10)
+        g3 = make_gateway("--redis-url", redis_url, "--db", db, "--backend-url", backend_url)
+        u = httpx.get(g3.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=g3.admin_headers(), timeout=30).json()
+        assert u["totals"]["requests"] == 10
+        r = chat(g3, key2)
+        assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
+        r = chat(g3, key)
+        assert r.status_code == 429  # the shared window is still spent (state in Redis)
+    finally:
+        for p in (backend_proc, redis_proc):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(15)
+                except Exception:
+                    p.kill()
