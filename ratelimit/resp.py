@@ -74,7 +74,7 @@ def _encode(args: tuple) -> bytes:
 class RedisClient:
     """``await client.execute("PING")``. URL: ``redis://[:password@]host:port[/db]``."""
 
-    def __init__(self, url: str, *, max_idle: int = 16) -> None:
+    def __init__(self, url: str, *, max_idle: int = 256) -> None:
         u = urlparse(url)
         if u.scheme not in ("redis", ""):
             raise ValueError("only redis:// URLs are supported")
