@@ -189,6 +189,9 @@ def _record(request: Request) -> Any:
         return None
 
 
+DRAIN_BYTES = 64 * 1024 * 1024  # bytes of an oversized body read and dropped before answering 413
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, counted while read. Raises ``PayloadTooLarge`` (413) beyond ``limit`` bytes,
     whether announced by Content-Length or sent chunked."""
@@ -197,10 +200,22 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"Request body of {int(cl)} bytes exceeds the limit of {limit} bytes.", code="request_too_large")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+            # Read (and drop) the rest for a bounded time/size so that the client, still sending, gets to read
+            # the 413; past the bound the connection is closed after the answer.
+            headers = {}
+            with trio.move_on_after(10) as scope:
+                async for more in stream:
+                    size += len(more)
+                    if size > limit + DRAIN_BYTES:
+                        headers = {"connection": "close"}
+                        break
+            if scope.cancelled_caught:
+                headers = {"connection": "close"}
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.", code="request_too_large", headers=headers)
         if chunk:
             parts.append(chunk)
     return b"".join(parts)

@@ -46,7 +46,8 @@ def test_c25_disconnect_streaming(gateway):
         with client.stream("POST", gateway.base_url + CHAT, json=body, headers=gateway.headers()) as r:
             assert r.status_code == 200
             contents = 0
-            for line in r.iter_lines():
+            lines = r.iter_lines()  # keep a reference: a collected iterator closes the connection
+            for line in lines:
                 if line.startswith("data: ") and '"content":"' in line and '"role"' not in line:
                     contents += 1
                     if contents >= 3:

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +64,12 @@ class GatewayProc:
             return ""
 
     def stats(self) -> dict:
-        r = httpx.get(self.base_url + "/admin/v1/stats", headers=self.admin_headers(), timeout=30)
+        """GET /admin/v1/stats on a kept-alive connection (a fresh client costs tens of ms: polls stay fast)."""
+        with self.extra.setdefault("_lock", threading.Lock()):
+            client = self.extra.get("_client")
+            if client is None:
+                client = self.extra["_client"] = httpx.Client(timeout=30)
+            r = client.get(self.base_url + "/admin/v1/stats", headers=self.admin_headers())
         r.raise_for_status()
         return r.json()
 
@@ -87,6 +93,9 @@ class GatewayProc:
         return self.stats()["backends"][0]["pid"]
 
     def stop(self) -> None:
+        client = self.extra.pop("_client", None)
+        if client is not None:
+            client.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
