@@ -258,14 +258,19 @@ def test_output_cut_content_filter(gateway):
     assert "3" in ref_text, ref_text
     expected = ref_text[: ref_text.index("3")]
 
-    r, events, _ = sse(gateway, key, body)
+    aborts = gateway.stats()["aborts"]
+    t0 = time.monotonic()
+    r, events, _ = sse(gateway, key, {**body, "stream_options": {"include_usage": True}})
+    t_cut = time.monotonic() - t0
     assert r.status_code == 200
     text = content_of(events)
+    usage = [e["usage"] for _, e in events if e != "[DONE]" and e.get("usage")][-1]
+    assert usage["completion_tokens"] < body["max_tokens"], usage  # stopped at the cut, not at max_tokens
     assert "3" not in text and text == expected
     assert finishes(events) == ["content_filter"]
     assert events[-1][1] == "[DONE]"
     st = gateway.wait_idle(30)  # the backend request was aborted at the cut
-    assert st["running"] == 0 and st["waiting"] == 0
+    assert st["running"] == 0 and st["waiting"] == 0 and st["aborts"] > aborts, (st, aborts, t_cut)
 
     r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=300)
     assert r.status_code == 200
