@@ -130,29 +130,97 @@ class ChoiceState:
             self.seen[token_id] = True
 
 
-def _apply_top_k_top_p_min_p(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    """Filter ``x [R, V]`` (temperature-scaled logits) in place-ish; returns the filtered tensor."""
+_CANDIDATES = 512  # top-k/top-p/min-p rows first look at this many best tokens
+
+
+def _draw(cdf: torch.Tensor, states: list[ChoiceState]) -> list[int]:
+    """Inverse-CDF draw: one uniform per row from the row's own generator.
+
+    ``cdf [R, K]`` non-decreasing (unnormalised). Returns R column indices.
+    """
+    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in states]).to(cdf.dtype)
+    target = u * cdf[:, -1]
+    idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    return idx.clamp_(max=cdf.shape[1] - 1).tolist()
+
+
+def _sample_random(x: torch.Tensor, states: list[ChoiceState]) -> list[int]:
+    """Temperature, top-k, top-p, min-p, then one draw per row (rows independent of each other).
+
+    ``x [R, V]`` processed logits. Filters work on the ``_CANDIDATES`` best tokens of
+    a row (``topk``, sorted), falling back to the full vocabulary for a row whose
+    top-p nucleus is not inside them; rows without filters draw from the full softmax.
+    Cost: O(R * V) plus O(R * V) ``topk`` for filtered rows (no full sort).
+    """
     R, V = x.shape
-    if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-        mask = torch.zeros_like(sorted_x, dtype=torch.bool)
-        ks = [k if 0 < k < V else V for k in top_k]
-        if any(k < V for k in ks):
-            k_t = torch.tensor(ks, dtype=torch.int64).unsqueeze(1)
-            mask |= torch.arange(V).unsqueeze(0) >= k_t
-        if any(p < 1.0 for p in top_p):
-            probs = torch.softmax(sorted_x.masked_fill(mask, float("-inf")), dim=-1)
-            cum = probs.cumsum(dim=-1)
-            p_t = torch.tensor(top_p, dtype=torch.float32).unsqueeze(1)
-            # drop a token when the mass before it already reaches top_p (keeps at least one)
-            mask |= (cum - probs) >= p_t
-        sorted_x = sorted_x.masked_fill(mask, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, idx, sorted_x)
-    if any(m > 0 for m in min_p):
-        probs = torch.softmax(x, dim=-1)
-        thr = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=torch.float32).unsqueeze(1)
-        x = x.masked_fill(probs < thr, float("-inf"))
-    return x
+    temps = torch.tensor([s.params.temperature for s in states], dtype=torch.float32).unsqueeze(1)
+    probs = torch.softmax(x / temps, dim=-1)
+    out = [0] * R
+    filt = [r for r, s in enumerate(states) if (0 < s.params.top_k < V) or s.params.top_p < 1.0 or s.params.min_p > 0]
+    plain = [r for r in range(R) if r not in set(filt)]
+    if plain:
+        sub = probs if len(plain) == R else probs[plain]
+        for r, t in zip(plain, _draw(torch.cumsum(sub, dim=-1), [states[r] for r in plain])):
+            out[r] = t
+    if filt:
+        ks = [states[r].params.top_k if 0 < states[r].params.top_k < V else V for r in filt]
+        kc = min(V, max(_CANDIDATES, max(k for k in ks if k < V) if any(k < V for k in ks) else 0))
+        tp = [states[r].params.top_p for r in filt]
+        # a row without top-k whose nucleus is not inside the candidates needs the whole vocabulary
+        sub = probs[filt]
+        vals, idx = torch.topk(sub, kc, dim=-1)
+        if kc < V:
+            mass = vals.sum(-1).tolist()
+            wide = [i for i in range(len(filt)) if ks[i] == V and tp[i] < 1.0 and mass[i] < tp[i]]
+            if wide:
+                # nucleus wider than the candidates: find the probability threshold by bisection
+                # (O(V) per iteration, no full sort), then keep the tokens at or above it
+                w = sub[wide]
+                lo = torch.zeros(len(wide), 1)
+                hi = vals[wide, -1:].clone()  # mass above hi < top_p
+                p_t = torch.tensor([tp[i] for i in wide]).unsqueeze(1)
+                for _ in range(40):
+                    mid = (lo + hi) / 2
+                    ok = (w * (w >= mid)).sum(-1, keepdim=True) >= p_t
+                    lo = torch.where(ok, mid, lo)
+                    hi = torch.where(ok, hi, mid)
+                for j, i in enumerate(wide):
+                    row = w[j]
+                    keep = (row >= lo[j]).nonzero().squeeze(1)
+                    r = filt[i]
+                    pr = row[keep].double()
+                    mpv = states[r].params.min_p
+                    if mpv > 0:
+                        pr = torch.where(pr >= pr.max() * mpv, pr, torch.zeros_like(pr))
+                    (c,) = _draw(torch.cumsum(pr, 0).unsqueeze(0), [states[r]])
+                    out[r] = int(keep[c])
+                rest = [i for i in range(len(filt)) if i not in set(wide)]
+                if not rest:
+                    return out
+                filt = [filt[i] for i in rest]
+                ks = [ks[i] for i in rest]
+                tp = [tp[i] for i in rest]
+                vals, idx = vals[rest], idx[rest]
+        k_t = torch.tensor(ks, dtype=torch.int64).unsqueeze(1)
+        mask = torch.arange(kc).unsqueeze(0) >= k_t
+        pv = vals.masked_fill(mask, 0.0)
+        # top-p on the distribution left by top-k (renormalised), like vLLM
+        pv = pv / pv.sum(-1, keepdim=True)
+        if any(p < 1.0 for p in tp):
+            has_k = torch.tensor([k < V for k in ks]).unsqueeze(1)
+            # rows without top-k: mass relative to the whole vocabulary
+            ref = torch.where(has_k, pv, vals)
+            cum = torch.cumsum(ref, dim=-1)
+            mask |= (cum - ref) >= torch.tensor(tp, dtype=torch.float32).unsqueeze(1)
+        mp = [states[r].params.min_p for r in filt]
+        if any(m > 0 for m in mp):
+            mask |= pv < pv[:, :1] * torch.tensor(mp, dtype=torch.float32).unsqueeze(1)
+        pv = pv.masked_fill(mask, 0.0)
+        cols = _draw(torch.cumsum(pv, dim=-1), [states[r] for r in filt])
+        picked = idx.gather(1, torch.tensor(cols, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
+        for r, t in zip(filt, picked):
+            out[r] = t
+    return out
 
 
 def process_logits(logits: torch.Tensor, states: list[ChoiceState]) -> torch.Tensor:
@@ -237,17 +305,8 @@ def sample(logits: torch.Tensor, states: list[ChoiceState]) -> tuple[list[int], 
             tokens[i] = t
     if rand:
         sub = x[rand] if len(rand) != B else x
-        temps = torch.tensor([states[i].params.temperature for i in rand], dtype=torch.float32).unsqueeze(1)
-        sub = sub / temps
-        sub = _apply_top_k_top_p_min_p(
-            sub,
-            [states[i].params.top_k for i in rand],
-            [states[i].params.top_p for i in rand],
-            [states[i].params.min_p for i in rand],
-        )
-        probs = torch.softmax(sub, dim=-1)
-        for r, i in enumerate(rand):
-            tokens[i] = int(torch.multinomial(probs[r], 1, generator=states[i].generator).item())
+        for i, t in zip(rand, _sample_random(sub, [states[i] for i in rand])):
+            tokens[i] = t
 
     out_lp: list[TokenLogprob | None] = [None] * B
     if raw is not None:

@@ -25,13 +25,15 @@ def runner(model_path):
 
 @pytest.fixture(scope="module")
 def prompts(chat_fixtures):
+    """16 ChatML prompts of mixed lengths (15..170 tokens) built from the short fixture chats."""
     base = [json.loads(c["prompt_ids"]) if isinstance(c["prompt_ids"], str) else c["prompt_ids"] for c in chat_fixtures]
+    base = [p for p in base if len(p) < 100][:5]
     out = list(base)
-    # mixed lengths: truncations and concatenations of the fixture prompts
-    for i, p in enumerate(base):
-        out.append(p[: max(3, len(p) // 2)])
-        out.append(p + base[(i + 1) % len(base)])
-    return out[:16]
+    out += [p[: max(3, len(p) // 2)] for p in base]
+    out += [p + base[(i + 1) % len(base)] for i, p in enumerate(base)]
+    out.append(base[0] + base[2] + base[4])
+    assert len(out) == 16
+    return out
 
 
 def greedy(max_tokens=12, **kw):
@@ -96,7 +98,7 @@ def test_greedy_batch_invariant_and_preemption_exact(runner, prompts):
 
 
 def test_prefix_cache_hits_same_tokens_salt_and_eviction(runner, prompts):
-    long = prompts[6] + prompts[7] + prompts[8]  # shared prefix of several blocks
+    long = prompts[10] + prompts[11]  # shared prefix of several blocks
     a = long + [504, 3575]
     b = long + [60]
     off = Engine(runner, enable_prefix_caching=False)
@@ -169,7 +171,7 @@ def test_c28_long_prompt_does_not_stall_stream_or_short_request(runner, prompts)
     assert eng.add_request(Submit(request_id="stream", prompt_ids=prompts[0], sampling=greedy(max_tokens=400, ignore_eos=True))) is None
     while not eng.step():
         pass
-    long = (prompts[6] + prompts[7] + prompts[8] + prompts[9]) * 60
+    long = (prompts[10] + prompts[11] + prompts[12] + prompts[13]) * 30
     long = long[:7000]
     assert eng.add_request(Submit(request_id="long", prompt_ids=long, sampling=greedy(max_tokens=2))) is None
     stream_steps, short_first, long_first = [], None, None
