@@ -157,3 +157,33 @@ def test_bad_chunks(runner: ModelRunner) -> None:
     with pytest.raises(ValueError):
         runner.execute([SeqChunk([1], 0, [NUM_BLOCKS], True)])
     assert runner.execute([]).shape == (0, runner.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def runner_bf16(model_path) -> ModelRunner:
+    return ModelRunner(model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64)
+
+
+def test_bf16_int4_close_to_fixtures(runner_bf16: ModelRunner, chat_fixtures: list[dict]) -> None:
+    """bfloat16 on CPU (dense bf16 prefill, packed-int4 decode steps): logits within 0.35 of the float32
+    reference, greedy ids identical up to the first step whose reference top-2 gap is under 0.1."""
+    r = runner_bf16
+    assert r.card.dtype == "bfloat16" and r.model.int4_max_rows == 4
+    for case in (chat_fixtures[0], chat_fixtures[1], chat_fixtures[3]):
+        ids = case["prompt_ids"]
+        bt = list(range(-(-(len(ids) + len(case["greedy_ids"]) + 1) // BS)))
+        logits = r.execute([SeqChunk(ids, 0, bt, True)])
+        ref_ids = torch.tensor([i for i, _ in case["last_logits_top50"]])
+        ref = torch.tensor([v for _, v in case["last_logits_top50"]])
+        assert (logits[0, ref_ids] - ref).abs().max().item() < 0.35
+        gaps = case["greedy_top2_gap"]
+        out, pos, tok = [], len(ids), int(logits[0].argmax())
+        for step, want in enumerate(case["greedy_ids"]):
+            if gaps[step] < 0.1:
+                break
+            assert tok == want, f"step {step}"
+            out.append(tok)
+            if tok == 2:
+                break
+            tok = int(r.execute([SeqChunk([tok], pos, bt, True)])[0].argmax())
+            pos += 1
