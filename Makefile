@@ -21,11 +21,11 @@ $(STAMP): $(VPY) pyproject.toml
 
 install: $(STAMP)
 
-# System packages the tests use for real: Redis and Debian's Chromium (Playwright drives it).
+# System packages the tests use for real: Redis, Debian's Chromium (Playwright drives it), nginx (SSE through a proxy).
 sysdeps:
-	@command -v redis-server >/dev/null 2>&1 && test -x /usr/bin/chromium || { \
+	@command -v redis-server >/dev/null 2>&1 && test -x /usr/bin/chromium && command -v nginx >/dev/null 2>&1 || { \
 	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
-	  $$SUDO apt-get update -qq && $$SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server chromium >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server chromium nginx-light >/dev/null; }
 
 # CuPy + NVRTC: only needed for the NVRTC compile test of kernels_cupy (no GPU needed to compile).
 $(VENV)/.cuda: $(STAMP)
