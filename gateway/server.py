@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--thread-tokenize-chars", type=int, default=8192,
                    help="prompts longer than this (characters) are templated/tokenized in a worker thread; 0: never")
     s.add_argument("--log-level", default="INFO")
+    from gateway import metrics, request_log  # observability flags: --metrics-tenant-label, --access-log, --log-content
+
+    metrics.add_cli_args(s)
+    request_log.add_cli_args(s)
     return p
 
 
@@ -92,7 +96,9 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
     pool = BackendPool(sups, wait_timeout=args.backend_wait)
     config = GatewayConfig(max_body_bytes=args.max_body_bytes, heartbeat_s=args.sse_heartbeat, backend_wait_s=args.backend_wait,
                            admin_key=args.admin_key, served_model_names=list(args.served_model_name),
-                           thread_tokenize_chars=args.thread_tokenize_chars)
+                           thread_tokenize_chars=args.thread_tokenize_chars,
+                           metrics_tenant_label=args.metrics_tenant_label, log_content=args.log_content,
+                           access_log=args.access_log)
 
     async with trio.open_nursery() as nursery:
         shutdown = trio.Event()
