@@ -57,6 +57,7 @@ class Result:
     prompt_tokens: int = 0
     backend_ttft: float | None = None  # seconds
     gateway_internal: float | None = None  # seconds: the gateway's own share, measured inside it
+    gateway_prep: float | None = None  # seconds: HTTP arrival -> Submit queued (part of gateway_internal)
 
 
 def make_prompt(n_tokens: int, i: int, rng: random.Random) -> str:
@@ -124,6 +125,8 @@ async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Re
                     res.backend_ttft = t["backend_ttft_duration"] / 1e9
                 if "gateway_overhead_duration" in t:
                     res.gateway_internal = t["gateway_overhead_duration"] / 1e9
+                if "gateway_prep_duration" in t:
+                    res.gateway_prep = t["gateway_prep_duration"] / 1e9
         res.e2e = time.perf_counter() - res.start
         res.ok = res.ttft is not None
         if not res.ok:
@@ -187,6 +190,7 @@ async def run(args) -> dict:
         "backend_ttft_ms": summary([r.backend_ttft for r in ok if r.backend_ttft is not None]),
         "gateway_overhead_ms": summary(overhead),
         "gateway_internal_ms": summary([r.gateway_internal for r in ok if r.gateway_internal is not None]),
+        "gateway_prep_ms": summary([r.gateway_prep for r in ok if r.gateway_prep is not None]),
     }
 
 
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"{mode}: {res['ok']}/{res['requests']} ok, {res['errors']} errors, wall {res['wall_s']:.1f}s")
     print(f"  throughput: {res['request_throughput_rps']:.3f} req/s, {res['output_tokens_per_s']:.1f} output tokens/s")
-    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "backend_ttft_ms", "gateway_overhead_ms", "gateway_internal_ms"):
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "backend_ttft_ms", "gateway_overhead_ms", "gateway_internal_ms", "gateway_prep_ms"):
         print(f"  {k:20s} {_fmt(res[k])}")
     for s in res["error_samples"]:
         print(f"  error: {s}", file=sys.stderr)
