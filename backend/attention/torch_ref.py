@@ -79,10 +79,16 @@ class TorchAttention:
             k = k_cache.index_select(0, blocks).flatten(0, 1)[:S].transpose(0, 1)  # [nkv, S, hd]
             v = v_cache.index_select(0, blocks).flatten(0, 1)[:S].transpose(0, 1)
             q = query[row : row + n].transpose(0, 1)  # [nh, n, hd]
+            # 4-D inputs: with 3-D ones CPU SDPA takes the O(n*S)-memory math path (3x slower at n=500)
             if mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
+                )
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            o = o[0]
             out[row : row + n] = o.transpose(0, 1)
         return out
 
