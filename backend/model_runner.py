@@ -61,8 +61,8 @@ def load_weights(model_path: str | os.PathLike, *, keep_q4: bool = False) -> tup
     raise FileNotFoundError(f"model not found: {p}")
 
 
-def make_attention_backend(name: str) -> AttentionBackend:
-    """``"torch"`` -> ``TorchAttention``; ``"cupy"`` -> ``kernels_cupy.attention.CupyAttention`` (imported lazily).
+def make_attention_backend(name: str, dtype: torch.dtype | None = None, device: torch.device | None = None) -> AttentionBackend:
+    """``"torch"`` -> ``TorchAttention``; ``"cupy"`` -> ``kernels_cupy.attention.CupyAttention(dtype, device)`` (lazy import).
 
     Raises:
         ValueError: unknown name.
@@ -75,7 +75,7 @@ def make_attention_backend(name: str) -> AttentionBackend:
     if name == "cupy":
         from kernels_cupy.attention import CupyAttention  # lazy: cupy only where asked for
 
-        return CupyAttention()
+        return CupyAttention(dtype=dtype, device=device)
     raise ValueError(f"unknown attention backend {name!r} (torch, cupy)")
 
 
@@ -137,7 +137,7 @@ class ModelRunner:
         self.config = weights.config
         self.model = LlamaModel(weights, device=self.device, dtype=self.dtype, int4_max_rows=int4_max_rows)
         del weights
-        self.attn = make_attention_backend(attention_backend)
+        self.attn = make_attention_backend(attention_backend, self.dtype, self.device)
         cfg = self.config
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.kv_block_bytes = cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
