@@ -27,6 +27,8 @@ import time
 import traceback
 from typing import Any, Hashable, Union
 
+import msgspec
+
 from backend.batch import SeqChunk
 from backend.block_manager import BlockManager
 from backend.protocol import (
@@ -116,6 +118,12 @@ class Engine:
         self.context_length = int(getattr(runner, "max_model_len", None) or self.card.context_length)
         self.eos_token_ids = list(self.card.eos_token_ids)
         self.block_manager = BlockManager(num_kv_blocks or runner.num_kv_blocks, runner.block_size, enable_prefix_caching)
+        # Served context (vLLM's max_model_len): never more than the KV pool can hold for one sequence,
+        # so a request without max_tokens ("up to the context's end") always fits the pool.
+        kv_tokens = self.block_manager.num_blocks * runner.block_size
+        if kv_tokens < self.context_length:
+            self.context_length = kv_tokens
+            self.card = msgspec.structs.replace(self.card, context_length=kv_tokens)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,

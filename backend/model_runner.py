@@ -7,7 +7,7 @@ each step, and runs the llama forward.
 KV pool: per layer ONE preallocated tensor ``[2, num_blocks, block_size, nkv, head_dim]``
 in the compute dtype; ``[0]`` is the K cache and ``[1]`` the V cache of that layer. Its size
 comes from ``num_kv_blocks`` or from a memory budget in bytes (``kv_cache_bytes``; default
-256 MiB on CPU, 4 GiB on CUDA).
+512 MiB on CPU, 4 GiB on CUDA).
 
 Source followed: nano-vllm ``engine/model_runner.py`` (prepare_prefill / prepare_decode),
 vLLM's slot mapping.
@@ -36,7 +36,7 @@ _DTYPES = {
 }
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-DEFAULT_KV_BYTES_CPU = 256 * 1024 * 1024
+DEFAULT_KV_BYTES_CPU = 512 * 1024 * 1024  # fp32: ~11k tokens, more than SmolLM2's 8192 context
 DEFAULT_KV_BYTES_CUDA = 4 * 1024 * 1024 * 1024
 
 

@@ -21,6 +21,7 @@ applies to the next request at once. Errors: 400 (bad body), 401/403 (admin key)
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,7 @@ async def _json(request: Request) -> Any:
         return {}
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise InvalidRequest("request body is not valid JSON") from None
 
 
@@ -71,9 +72,13 @@ def _parse_time(v: str | None, name: str) -> float | None:
     if v is None or v == "":
         return None
     try:
-        return float(v)
+        t = float(v)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(t) or not 0 <= t < 253402300800:  # year 10000
+            raise InvalidRequest(f"{name} must be finite UNIX seconds in [0, 253402300800)", param=name)
+        return t
     try:
         dt = datetime.fromisoformat(v.replace("Z", "+00:00"))
     except ValueError:

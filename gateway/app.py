@@ -170,6 +170,7 @@ def _chars(messages: Any) -> int:
     """Rough size of a message list in characters (decides inline vs threaded tokenization)."""
     n = 0
     for m in messages if isinstance(messages, list) else ():
+        n += 16  # per-message template text (role header, markers): many empty messages are work too
         c = m.get("content") if isinstance(m, dict) else None
         if isinstance(c, str):
             n += len(c)
@@ -483,6 +484,7 @@ def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.gateway = gw
+    app.router.redirect_slashes = False  # a 307 built from the Host header would be an open redirect
     # observability: /metrics, Ollama API routes, x-request-id, access log (outermost wrapper, forwards attributes)
     from gateway.metrics import instrument
 

@@ -106,6 +106,8 @@ def _decode(body: bytes, typ: type) -> Any:
         raise InvalidRequest(f"Invalid request body: {msg}", param=param, code="invalid_type" if "Expected" in msg else None) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise InvalidRequest("We could not parse the JSON body of your request: nested too deeply.", code="invalid_json") from None
 
 
 def decode_chat(body: bytes) -> ChatRequest:

@@ -119,6 +119,16 @@ def _setup_tenancy(gp: GatewayProc) -> None:
     gp.extra["tenant_id"] = tid
 
 
+def _die_with_pytest() -> None:
+    """In the child: SIGTERM us when pytest dies (a killed test run must not leave gateways behind)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = None) -> GatewayProc:
     """Start ``python -m gateway serve`` on a free port and wait until /readyz is 200.
 
@@ -133,7 +143,7 @@ def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = N
            "--db", str(Path(tmp) / "tenancy.sqlite"), "--sse-heartbeat", str(heartbeat), *extra_args]
     logf = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_die_with_pytest)
     gp = GatewayProc(proc=proc, port=port, admin_key=admin_key, log_path=log_path, tmpdir=tmp)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while True:

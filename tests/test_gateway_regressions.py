@@ -1,0 +1,45 @@
+"""Regressions found by a new-user review of `make serve` (each was a real failure)."""
+
+from __future__ import annotations
+
+import httpx
+
+from plugins.gateway_server import chat_body, post_json
+
+
+def test_no_max_tokens_fits_the_served_context(gateway, chat_fixtures):
+    """Omitting max_tokens means "up to the served context", which never exceeds the KV pool (was: 400 always)."""
+    case = next(c for c in chat_fixtures if c["name"] == "capital")
+    r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, messages=case["messages"], temperature=0))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == case["greedy_text"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    card = httpx.get(gateway.base_url + "/v1/models", headers=gateway.headers(), timeout=10).json()["data"][0]
+    stats = gateway.stats()
+    assert card["context_length"] <= stats["kv_blocks_total"] * 16
+
+
+def test_deeply_nested_json_is_400_not_500(gateway):
+    deep = b'{"model": "x", "junk": ' + b"[" * 5000 + b"]" * 5000 + b', "messages": []}'
+    r = post_json(gateway, "/v1/chat/completions", deep)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(gateway.base_url + "/admin/v1/tenants", content=b"[" * 5000 + b"]" * 5000,
+                   headers={**gateway.admin_headers(), "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+
+
+def test_usage_with_non_finite_times_is_400(gateway):
+    for q in ("since=1e400", "since=nan", "until=-inf", "since=inf"):
+        r = httpx.get(gateway.base_url + "/v1/usage?" + q, headers=gateway.headers(), timeout=30)
+        assert r.status_code == 400, (q, r.text)
+        assert r.json()["error"]["param"] in ("since", "until")
+
+
+def test_trailing_slash_is_not_an_open_redirect(gateway):
+    r = httpx.post(gateway.base_url + "/v1/chat/completions/", json={},
+                   headers={**gateway.headers(), "host": "evil.example"}, timeout=30)
+    assert r.status_code == 404, (r.status_code, r.headers)
+    assert "location" not in r.headers
+    assert r.json()["error"]["type"] == "invalid_request_error"
