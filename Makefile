@@ -37,7 +37,7 @@ serve: $(STAMP)
 	$(VPY) -m gateway serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP) $(VENV)/.cuda sysdeps
-	$(VPY) -m pytest -q -x --durations=15 tests
+	$(VPY) -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	$(VPY) bench/engine.py
