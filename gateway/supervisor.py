@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -171,8 +172,15 @@ class BackendSupervisor:
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
         self.state = "stopped"
+        self._remove_tmpdir()
         if not started:
             task_status.started()
+
+    def _remove_tmpdir(self) -> None:
+        """Remove the spawned backend's socket folder (ours; the backend removes only its socket)."""
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
 
     async def _start_process(self) -> "_Proc":
         spec = self.spawn
