@@ -171,6 +171,10 @@ def validate_common(req: SamplingFields, *, vocab_size: int) -> None:
         raise InvalidRequest(f"Invalid value for 'max_tokens': {req.max_tokens} (must be >= 1).", param="max_tokens", code="invalid_value")
     if req.min_tokens < 0:
         raise InvalidRequest("Invalid value for 'min_tokens': must be >= 0.", param="min_tokens", code="invalid_value")
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise InvalidRequest(
+            f"Invalid value for 'min_tokens': {req.min_tokens} is larger than max_tokens ({req.max_tokens}).", param="min_tokens", code="invalid_value"
+        )
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("The 'stream_options' parameter is only allowed when 'stream' is true.", param="stream_options", code="invalid_value")
     if req.stop_token_ids:

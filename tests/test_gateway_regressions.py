@@ -43,3 +43,9 @@ def test_trailing_slash_is_not_an_open_redirect(gateway):
     assert r.status_code == 404, (r.status_code, r.headers)
     assert "location" not in r.headers
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_min_tokens_above_max_tokens_is_400(gateway):
+    r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, "hi", max_tokens=2, min_tokens=10))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "min_tokens"
