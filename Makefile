@@ -33,7 +33,7 @@ $(VENV)/.cuda: $(STAMP)
 	touch $(VENV)/.cuda
 
 serve: $(STAMP)
-	@echo "Starting gateway + backend (default model SmolLM2-135M-Instruct) on http://$(HOST):$(PORT)"
+	@echo "Starting gateway + backend on http://$(HOST):$(PORT) (model id: SmolLM2-135M-Instruct.Q4_1; the API key is printed below on first start)"
 	$(VPY) -m gateway serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP) $(VENV)/.cuda sysdeps
