@@ -374,11 +374,16 @@ class Engine:
         t2 = time.perf_counter()
         self.model_time_s += t2 - t1
         sched.update_after_step(plan)
+        out: list[tuple[Hashable, Message]] = []
         try:
-            out = self._sample_and_output(plan, logits)
+            self._sample_and_output(plan, logits, out)
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
-            out = self._fail_plan(plan, f"sampling failed: {type(exc).__name__}: {exc}")
+            # Keep the final outputs of requests that already finished in this step (they left
+            # self.requests, so _fail_plan would skip them and their clients would wait forever);
+            # fail the rest.
+            done = [(o, m) for o, m in out if isinstance(m, RequestOutput) and m.request_id not in self.requests]
+            out = done + self._fail_plan(plan, f"sampling failed: {type(exc).__name__}: {exc}")
         self.step_overhead_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
 
@@ -393,7 +398,9 @@ class Engine:
             out.append((req.owner, self._fail(req, message)))
         return out
 
-    def _sample_and_output(self, plan: SchedulerOutput, logits: Any) -> list[tuple[Hashable, Message]]:
+    def _sample_and_output(self, plan: SchedulerOutput, logits: Any, out: list[tuple[Hashable, Message]]) -> None:
+        """Sample one token per sequence that reached its end, fork n > 1 parents, and append the step's
+        messages to ``out`` (filled in place so that a failure midway keeps what was already produced)."""
         rows: list[int] = []
         targets: list[tuple[Sequence, int]] = []  # (sequence or parent, choice index)
         r = 0
@@ -413,7 +420,7 @@ class Engine:
                     targets.append((seq, seq.index))
             r += 1
         if not targets:
-            return []
+            return
         if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
             batch = logits
         else:
@@ -443,7 +450,6 @@ class Engine:
             self.scheduler.fork(parent, children)
 
         now = time.monotonic()
-        out: list[tuple[Hashable, Message]] = []
         for (seq, i), tok, lp in zip(targets, tokens, lps):
             req = seq.request
             s = req.seqs[i]
@@ -465,7 +471,6 @@ class Engine:
                     request_id=req.request_id, index=i, new_token_ids=[tok], logprobs=[lp] if lp else None
                 )
             out.append((req.owner, msg))
-        return out
 
     # ------------------------------------------------------------------ stats
 
