@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from backend.allocator import tune_glibc_malloc
 from backend.attention.base import AttentionBackend, AttentionMetadata
 from backend.batch import SeqChunk
 from backend.models.llama import LlamaModel, LlamaWeights
@@ -91,8 +92,8 @@ class ModelRunner:
         kv_cache_bytes: KV pool budget in bytes over all layers (ignored when ``num_kv_blocks`` is given).
         num_kv_blocks: exact number of KV blocks.
         int4_max_rows: steps of at most this many tokens use packed int4 matmuls (4-bit GGUF on CPU only);
-            ``None`` = 8 for bfloat16 on CPU (measured, 1 thread, whole step: B=8 int4 61 ms vs dense 73 ms;
-            B=32 int4 203 ms vs dense 176 ms), 0 (off) otherwise. See ``backend.models.llama.Linear``.
+            ``None`` = 4 for bfloat16 on CPU, else 0 (off); more rows use the oneDNN-prepacked dense path
+            (``backend.models.llama.onednn_pack``). Measured numbers in ``LlamaModel``'s docstring.
         num_threads: ``torch.set_num_threads`` for this process (``None``: leave torch's default, one per
             core). On a CPU shared with other busy processes, 1 thread was ~3x faster than 2 (OpenMP
             barriers stall when a thread is descheduled); on an idle machine all cores are faster.
@@ -122,6 +123,8 @@ class ModelRunner:
     ) -> None:
         if num_threads:
             torch.set_num_threads(int(num_threads))
+        if torch.device(device).type == "cpu":
+            tune_glibc_malloc()  # measured 2x at 64 decode sequences: see backend/allocator.py
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)")
         if block_size < 1:
@@ -130,7 +133,7 @@ class ModelRunner:
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
         if int4_max_rows is None:
-            int4_max_rows = 8 if (self.device.type == "cpu" and self.dtype == torch.bfloat16) else 0
+            int4_max_rows = 4 if (self.device.type == "cpu" and self.dtype == torch.bfloat16) else 0
         if self.device.type != "cpu":
             int4_max_rows = 0
         weights, card = load_weights(model_path, keep_q4=int4_max_rows > 0)

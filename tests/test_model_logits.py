@@ -159,16 +159,26 @@ def test_bad_chunks(runner: ModelRunner) -> None:
     assert runner.execute([]).shape == (0, runner.vocab_size)
 
 
-@pytest.fixture(scope="module")
-def runner_bf16(model_path) -> ModelRunner:
-    return ModelRunner(model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64)
+@pytest.fixture(scope="module", params=["default", "onednn"])
+def runner_bf16(model_path, request) -> ModelRunner:
+    """bfloat16 runners: the default (int4 layers + int8 LM head for <= 4 rows, oneDNN-prepacked dense
+    above) and oneDNN-prepacked dense matmuls only."""
+    int4 = 0 if request.param == "onednn" else None
+    r = ModelRunner(model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64, int4_max_rows=int4)
+    if request.param == "default":
+        assert r.model.int4_max_rows == 4 and r.model.lm_head.w8 is not None
+    else:
+        assert r.model.int4_max_rows == 0
+        assert r.model.lm_head.onednn is not None or not torch.backends.mkldnn.is_available()
+    return r
 
 
 def test_bf16_int4_close_to_fixtures(runner_bf16: ModelRunner, chat_fixtures: list[dict]) -> None:
-    """bfloat16 on CPU (dense bf16 prefill, packed-int4 decode steps): logits within 0.35 of the float32
-    reference, greedy ids identical up to the first step whose reference top-2 gap is under 0.1."""
+    """bfloat16 on CPU (default prepacked dense; and dense bf16 prefill + packed-int4 decode steps): logits
+    within 0.35 of the float32 reference, greedy ids identical up to the first step whose reference top-2
+    gap is under 0.1."""
     r = runner_bf16
-    assert r.card.dtype == "bfloat16" and r.model.int4_max_rows == 8
+    assert r.card.dtype == "bfloat16"
     for case in (chat_fixtures[0], chat_fixtures[1], chat_fixtures[3]):
         ids = case["prompt_ids"]
         bt = list(range(-(-(len(ids) + len(case["greedy_ids"]) + 1) // BS)))

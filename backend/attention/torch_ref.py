@@ -5,12 +5,14 @@
 - decode (the first ``meta.num_decodes`` sequences, one query each): the K/V of all decode
   sequences are gathered at once through their block tables into ``[nd, L, nkv, hd]``
   (``L`` = the longest decode context rounded up to whole blocks), padded keys get a ``-inf``
-  bias, and grouped float32 matmuls + softmax do the rest. No Python loop per sequence.
+  bias; float32 then runs SDPA over that (strided) view, bf16/fp16 on CPU two block-diagonal
+  ``bmm`` over all heads at once (see ``TorchAttention._decode_blockdiag``). No Python loop per
+  sequence or per head.
 - prefill chunks (the remaining sequences): per sequence, its cached prefix + its new tokens
   are gathered (``[S, nkv, hd]``) and the ``n`` new queries attend causally with the offset
   ``S - n`` (query ``i`` sees keys ``j <= S - n + i``).
 
-Accumulation: float32 (decode: explicit float32 math; prefill: torch's SDPA kernels accumulate
+Accumulation: float32 (decode: SDPA, or bf16 scores rounded once then a float32 softmax; prefill: torch's SDPA kernels accumulate
 in float32 for bf16/fp16 inputs, CPU flash kernel and CUDA flash/efficient kernels).
 
 Source followed: vLLM PagedAttention semantics (https://arxiv.org/abs/2309.06180),
@@ -38,6 +40,9 @@ class TorchAttention:
     """``AttentionBackend`` in plain torch; see the module docstring."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._eye: dict = {}  # (dtype, device, nkv, scale) -> block-diagonal scaled identity
 
     def write_kv(
         self,
@@ -92,37 +97,55 @@ class TorchAttention:
             out[row : row + n] = o.transpose(0, 1)
         return out
 
-    @staticmethod
-    def _decode(query, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+    def _decode(self, query, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
         """One query per sequence for the first ``nd`` sequences, all at once: ``[nd, nh, hd]``.
 
         The decode sequences' blocks are gathered with one ``index_select`` per cache (6x faster
-        than advanced indexing here), then per KV head (a loop over ``nkv``, not over sequences)
-        one float32 ``bmm`` ``[nd, g, hd] @ [nd, hd, L]`` reads the gathered keys in place (strided,
-        no transpose copy), an additive ``-inf`` bias masks padding, softmax, and one ``bmm`` with
-        the values. torch's CPU flash kernel took ~9 ms for a 32-sequence step that this does in
-        well under 1 ms.
+        than advanced indexing here) into ``[nd, L, nkv, hd]``; padded keys get a ``-inf`` bias.
+        Then, measured per layer on the 2-core CPU VM (bench in docs/perf.md, 32 sequences x 192
+        keys): float32 -> SDPA over the strided gathered view (0.7 ms; a per-head bmm loop took
+        4.8 ms); bfloat16/float16 on CPU -> ``_decode_blockdiag`` (0.55 ms; bf16 SDPA took 3.0 ms).
         """
         nd, L, flat_blocks, bias = plan["decode"]
         nkv, hd = k_cache.shape[-2:]
         nh = query.shape[1]
-        g = nh // nkv
-        f32 = torch.float32
         k = k_cache.index_select(0, flat_blocks).view(nd, L, nkv, hd)
         v = v_cache.index_select(0, flat_blocks).view(nd, L, nkv, hd)
-        if k.dtype != f32:
-            k, v = k.to(f32), v.to(f32)
-        q = query[:nd].to(f32).mul(scale).view(nd, nkv, g, hd)
-        s = torch.empty(nkv, nd, g, L, dtype=f32, device=query.device)
-        for h in range(nkv):
-            torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=s[h])
+        q = query[:nd]
+        if q.dtype != torch.float32 and q.device.type == "cpu" and nkv <= 4:
+            return self._decode_blockdiag(q, k, v, bias, scale)
+        mask = None if bias is None else bias.unsqueeze(1).to(q.dtype)  # [nd, 1, 1, L]
+        o = F.scaled_dot_product_attention(
+            q.view(nd, nh, 1, hd), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+            enable_gqa=nh != nkv,
+        )
+        return o.view(nd, nh, hd)
+
+    def _decode_blockdiag(self, q, k, v, bias, scale: float) -> torch.Tensor:
+        """Grouped-query decode as two plain ``bmm`` over all KV heads at once.
+
+        ``q [nd, nh, hd]``, ``k``/``v`` ``[nd, L, nkv, hd]`` (contiguous, compute dtype), ``bias``
+        ``[nd, 1, L] float32 | None``. Each query head is placed in the columns of its KV head of a
+        block-diagonal ``Q' [nd, nh, nkv*hd]`` (zeros elsewhere), so ``Q' @ K^T`` reads the keys as
+        the contiguous ``[nd, L, nkv*hd]`` they are (no per-head copy) at ``nkv`` times the (tiny)
+        flops; ``P @ V`` gives every head against every KV head and the diagonal blocks are kept.
+        Scores are rounded to the compute dtype by the matmul, then bias + softmax run in float32.
+        """
+        nd, L, nkv, hd = k.shape
+        nh = q.shape[1]
+        g = nh // nkv
+        key = (q.dtype, q.device, nkv, scale)
+        eye = self._eye.get(key)
+        if eye is None:
+            eye = (torch.eye(nkv, dtype=torch.float32, device=q.device) * scale).to(q.dtype).view(1, nkv, 1, nkv, 1)
+            self._eye[key] = eye
+        qd = (q.view(nd, nkv, g, 1, hd) * eye).view(nd, nh, nkv * hd)
+        s = torch.bmm(qd, k.view(nd, L, nkv * hd).transpose(1, 2)).float()  # [nd, nh, L]
         if bias is not None:
             s += bias
-        p = torch.softmax(s, dim=-1)
-        o = torch.empty(nd, nkv, g, hd, dtype=f32, device=query.device)
-        for h in range(nkv):
-            o[:, h] = torch.bmm(p[h], v[:, :, h])
-        return o.view(nd, nh, hd).to(query.dtype)
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        o = torch.bmm(p, v.view(nd, L, nkv * hd)).view(nd, nkv, g, nkv, hd)
+        return torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(nd, nh, hd)
 
 
 def _plan(meta: AttentionMetadata, device: torch.device) -> dict:
