@@ -19,8 +19,9 @@ Rules of this gateway (documented in ``docs/text.md``):
   A part of any other type (``image_url``, ``input_audio``, ``file``...) is a 400 naming
   ``messages[i].content[j].type``.
 * Consecutive messages with the same role are NOT merged: each renders as its own block (ChatML does this).
-* ``developer`` (newer OpenAI role) is rendered as ``system``; other unknown roles pass through to the
-  template unchanged.
+* Roles are OpenAI's: ``system``, ``developer``, ``user``, ``assistant``, ``tool`` and the legacy
+  ``function``; any other role is a 400 naming ``messages[i].role``. ``developer`` (newer OpenAI role) is
+  rendered as ``system``.
 * Control tokens: only the special tokens the template itself writes become special ids. Every string that
   comes from the client (contents, names, roles, tool calls, tool definitions) is encoded as literal text
   even when it spells ``<|im_end|>``: before rendering, each special-token string inside client strings
@@ -54,6 +55,8 @@ __all__ = ["ChatTemplate", "ChatPrompt", "normalize_messages", "TEXT_PART_SEPARA
 TEXT_PART_SEPARATOR = "\n"
 
 _ROLE_ALIASES = {"developer": "system"}
+#: The roles OpenAI's Chat Completions API accepts (``function`` is the legacy form of ``tool``).
+VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Roles whose content may be null/missing (OpenAI: assistant with tool_calls / function_call).
 _NULL_CONTENT_ROLES = {"assistant"}
 
@@ -161,7 +164,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
     Raises:
         InvalidRequest: ``messages`` not a non-empty array (param ``messages``); a message not an object
-            (``messages[i]``); ``role`` missing or not a non-empty string (``messages[i].role``); content
+            (``messages[i]``); ``role`` missing, not a string or not one of ``VALID_ROLES``
+            (``messages[i].role``, code ``invalid_value`` for an unknown role); content
             missing/null for a non-assistant message or of the wrong type (``messages[i].content``); a
             non-text part (``messages[i].content[j].type``); a part without string text
             (``messages[i].content[j].text``).
@@ -176,6 +180,11 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"'{p}.role' is required and must be a non-empty string.", param=f"{p}.role")
+        if role not in VALID_ROLES:
+            raise InvalidRequest(
+                f"Invalid value for '{p}.role': {role[:64]!r}. Supported values are: {', '.join(repr(r) for r in VALID_ROLES)}.",
+                param=f"{p}.role", code="invalid_value",
+            )
         role = _ROLE_ALIASES.get(role, role)
         content = m.get("content")
         if content is None:

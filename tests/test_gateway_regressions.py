@@ -49,3 +49,21 @@ def test_min_tokens_above_max_tokens_is_400(gateway):
     r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, "hi", max_tokens=2, min_tokens=10))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "min_tokens"
+
+
+def test_unknown_message_role_is_400(gateway):
+    """A role outside OpenAI's set was rendered as a ChatML turn (`<|im_start|>wizard`); now a 400 naming it."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "Abracadabra."}]
+    r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, messages=msgs, max_tokens=1))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "messages[1].role", "invalid_value")
+    assert "wizard" in err["message"]
+    r = post_json(gateway, "/api/chat", {"model": gateway.model, "messages": msgs, "stream": False})
+    assert r.status_code == 400, r.text
+    # every OpenAI role still works (developer = system; tool / legacy function render as their own turn)
+    ok = [{"role": "developer", "content": "Be brief."}, {"role": "system", "content": "Answer."},
+          {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Let me check."},
+          {"role": "tool", "tool_call_id": "c1", "content": "4"}, {"role": "function", "name": "add", "content": "4"}]
+    r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, messages=ok, max_tokens=1))
+    assert r.status_code == 200, r.text
