@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,33 @@ def _parse_time(v: str | None, name: str) -> float | None:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return dt.timestamp()
+
+
+def _expiry(v: Any) -> float | None:
+    """A key's ``expires_at`` (UNIX seconds or an ISO-8601 time; null/"" = never) as UNIX seconds.
+
+    Raises:
+        InvalidRequest: not a number/string, not finite, or not in the future (a key that is born expired
+            is a mistake; revoke a key with ``DELETE /keys/{key_id}``), or past the year 9999 (param ``expires_at``).
+    """
+    if isinstance(v, str):
+        t = _parse_time(v, "expires_at")
+    elif v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        t = v
+    else:
+        raise InvalidRequest("expires_at must be UNIX seconds or an ISO-8601 time", param="expires_at", code="invalid_type")
+    if t is None:
+        return None
+    try:
+        t = float(t)
+    except OverflowError:  # an integer beyond float range
+        t = math.inf if t > 0 else -math.inf
+    if not math.isfinite(t) or t >= 253402300800:
+        raise InvalidRequest("expires_at must be finite UNIX seconds before the year 10000", param="expires_at", code="invalid_value")
+    if t <= time.time():
+        raise InvalidRequest("expires_at must be in the future (UNIX seconds or an ISO-8601 time); to disable a key, revoke it",
+                             param="expires_at", code="invalid_value")
+    return t
 
 
 def _limits(obj: Any, param: str = "limits", base: Limits | None = None) -> Limits:
@@ -204,11 +232,7 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or len(name) > 128):
             raise InvalidRequest("name must be a string (<= 128 chars)", param="name")
-        expires_at = body.get("expires_at")
-        if isinstance(expires_at, str):
-            expires_at = _parse_time(expires_at, "expires_at")
-        elif expires_at is not None and (isinstance(expires_at, bool) or not isinstance(expires_at, (int, float))):
-            raise InvalidRequest("expires_at must be UNIX seconds or an ISO-8601 time", param="expires_at")
+        expires_at = _expiry(body.get("expires_at"))
         limits = _limits(body["limits"], "limits") if body.get("limits") is not None else None
         key, rec = await store.call(Store.create_key, t.id, name=name, expires_at=expires_at, limits=limits)
         return JSONResponse({**rec.public(), "key": key}, status_code=201, headers={"cache-control": "no-store"})
@@ -226,13 +250,6 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
             raise NotFound("No such API key.", param="key_id", code="key_not_found")
         tenancy.invalidate()
         return JSONResponse({**rec.public(), "revoked": True})
-
-    def expiry(v: Any) -> float | None:
-        if isinstance(v, str):
-            return _parse_time(v, "expires_at")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise InvalidRequest("expires_at must be UNIX seconds or an ISO-8601 time", param="expires_at")
-        return v
 
     @handler
     async def get_key(request: Request):
@@ -256,7 +273,7 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
                 raise InvalidRequest("name must be a string", param="name")
             kw["name"] = body["name"]
         if "expires_at" in body:
-            kw["expires_at"] = expiry(body["expires_at"])
+            kw["expires_at"] = _expiry(body["expires_at"])
         if "limits" in body:
             kw["limits"] = _limits(body["limits"], "limits") if body["limits"] is not None else None
         rec = await store.call(Store.update_key, kid, **kw)
@@ -401,7 +418,7 @@ def openapi_spec() -> dict[str, Any]:
                     "key": {"type": "string", "description": "the secret key, shown only in this response"}}}]},
                 "ApiKeyCreate": {"type": "object", "properties": {
                     "name": {"type": "string"}, "expires_at": {"type": ["number", "string", "null"],
-                                                               "description": "UNIX seconds or ISO-8601"},
+                                                               "description": "UNIX seconds or ISO-8601, in the future; null = never"},
                     "limits": ref("Limits")}},
                 "UsageTotals": {"type": "object", "properties": {k: {"type": "integer"} for k in (
                     "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")}},

@@ -67,3 +67,33 @@ def test_unknown_message_role_is_400(gateway):
           {"role": "tool", "tool_call_id": "c1", "content": "4"}, {"role": "function", "name": "add", "content": "4"}]
     r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, messages=ok, max_tokens=1))
     assert r.status_code == 200, r.text
+
+
+def test_key_expiry_in_the_past_is_400(gateway):
+    """expires_at = -1 (or any past, non-finite or absurd time) made a key that was dead at birth; now a 400."""
+    import time
+
+    tid = gateway.extra["tenant_id"]
+    A = gateway.admin_headers()
+    bad = ["-1", "0", "1.5", str(time.time() - 60), '"1970-01-02T00:00:00Z"', '"-5"', "1e400", "NaN", "-Infinity",
+           str(10**400), str(-(10**400)), "253402300800", "true", "[1]"]
+    for v in bad:  # raw JSON texts (Python's json, used by the admin API, reads NaN and Infinity)
+        r = httpx.post(gateway.base_url + f"/admin/v1/tenants/{tid}/keys", content='{"expires_at": %s}' % v,
+                       headers={**A, "content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (v, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "expires_at" and err["type"] == "invalid_request_error", (v, err)
+        assert "Error" not in err["message"], (v, err)  # no Python exception names
+    # PATCH follows the same rule; the key stays as it was
+    r = httpx.post(gateway.base_url + f"/admin/v1/tenants/{tid}/keys", json={"expires_at": time.time() + 3600}, headers=A, timeout=30)
+    assert r.status_code == 201, r.text
+    key = r.json()
+    r = httpx.patch(gateway.base_url + f"/admin/v1/keys/{key['id']}", json={"expires_at": -1}, headers=A, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "expires_at", r.text
+    assert httpx.get(gateway.base_url + f"/admin/v1/keys/{key['id']}", headers=A, timeout=30).json()["expires_at"] == key["expires_at"]
+    # the key works; a future ISO time and null (never) are accepted
+    r = httpx.get(gateway.base_url + "/v1/models", headers={"Authorization": f"Bearer {key['key']}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    for v in ("2999-01-01T00:00:00Z", None):
+        r = httpx.patch(gateway.base_url + f"/admin/v1/keys/{key['id']}", json={"expires_at": v}, headers=A, timeout=30)
+        assert r.status_code == 200, (v, r.text)
