@@ -34,6 +34,7 @@ Rules of this gateway (documented in ``docs/text.md``):
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ __all__ = ["ChatTemplate", "ChatPrompt", "normalize_messages", "TEXT_PART_SEPARA
 
 #: Separator placed between the text parts of one message's ``content`` array.
 TEXT_PART_SEPARATOR = "\n"
+
+log = logging.getLogger("gateway.templating")
 
 _ROLE_ALIASES = {"developer": "system"}
 #: The roles OpenAI's Chat Completions API accepts (``function`` is the legacy form of ``tool``).
@@ -298,6 +301,9 @@ class ChatTemplate:
         self._special_id = {s: i for i, s in tokenizer.special_tokens.items()}
         #: True if the template mentions ``tools`` (otherwise tool definitions do not reach the prompt).
         self.supports_tools = "tools" in source
+        #: True if the template mentions ``tool_calls`` (otherwise an assistant's tool calls are not rendered,
+        #: and one with null content cannot be: 400).
+        self.supports_tool_calls = "tool_calls" in source
 
     def render(
         self,
@@ -327,8 +333,10 @@ class ChatTemplate:
             InvalidRequest: bad messages (see ``normalize_messages``); both flags true
                 (param ``continue_final_message``); continue_final_message with a final message that is not
                 the assistant's or whose content the template does not render (param ``messages``);
-                ``tools`` not a list of objects (param ``tools``); the template raised or failed on this
-                input (param ``messages``).
+                ``tools`` not a list of objects (param ``tools``); an assistant message with null content
+                (it has ``tool_calls``) when the template does not render ``tool_calls``
+                (``messages[i].content``, code ``unsupported_value``); the template raised or failed on this
+                input (param ``messages``; the message names no Python exception).
         """
         if continue_final_message and add_generation_prompt:
             raise InvalidRequest(
@@ -336,6 +344,14 @@ class ChatTemplate:
                 param="continue_final_message",
             )
         msgs = normalize_messages(messages)
+        if not self.supports_tool_calls:
+            for i, m in enumerate(msgs):
+                if m["content"] is None:  # an assistant with tool_calls/function_call and null content
+                    raise InvalidRequest(
+                        f"'messages[{i}].content' is null, but this model's chat template does not render 'tool_calls': "
+                        "give the assistant message a text content.",
+                        param=f"messages[{i}].content", code="unsupported_value",
+                    )
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise InvalidRequest("'tools' must be an array of objects.", param="tools")
 
@@ -368,8 +384,10 @@ class ChatTemplate:
         except _TemplateError as e:
             raise InvalidRequest(f"The chat template rejected the messages: {e}", param="messages") from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            log.info("chat template failed on a request: %s", type(e).__name__)  # internals stay in the log
             raise InvalidRequest(
-                f"The chat template could not render the messages ({type(e).__name__}).", param="messages"
+                "The model's chat template could not render these messages (a field is missing or of a type it "
+                "does not accept).", param="messages", code="invalid_value",
             ) from None
 
         if marker is not None:

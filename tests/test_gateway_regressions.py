@@ -97,3 +97,21 @@ def test_key_expiry_in_the_past_is_400(gateway):
     for v in ("2999-01-01T00:00:00Z", None):
         r = httpx.patch(gateway.base_url + f"/admin/v1/keys/{key['id']}", json={"expires_at": v}, headers=A, timeout=30)
         assert r.status_code == 200, (v, r.text)
+
+
+def test_assistant_tool_calls_without_content_is_a_clean_400(gateway):
+    """A null assistant content with tool_calls (legal in OpenAI) gave a 400 naming a Python TypeError; SmolLM2's
+    template cannot render tool_calls, so it is a 400 naming the content, in plain words."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
+    for m in (msgs, [msgs[0], {k: v for k, v in msgs[1].items() if k != "content"}, msgs[2]]):  # null or missing
+        r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, messages=m, max_tokens=1))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "messages[1].content", "unsupported_value")
+        assert "tool_calls" in err["message"] and "Error" not in err["message"]
+    # with a text content it renders (the tool result follows as a tool turn)
+    msgs[1] = {**msgs[1], "content": "Let me look that up."}
+    r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, messages=msgs, max_tokens=1))
+    assert r.status_code == 200, r.text

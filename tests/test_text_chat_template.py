@@ -192,10 +192,36 @@ def test_roles_and_null_assistant(tmpl):
     p = tmpl.render([{"role": "user", "content": "q"}, {"role": "tool", "content": "42", "tool_call_id": "1"},
                      {"role": "function", "name": "f", "content": "43"}])
     assert "<|im_start|>tool\n42<|im_end|>" in p.text and "<|im_start|>function\n43<|im_end|>" in p.text
-    # the SmolLM2 template cannot concatenate a null content: 400, not 500
+    # the SmolLM2 template does not render tool_calls: a null content is a clean 400 naming it, not a 500
+    # nor a message naming a Python TypeError
+    assert not tmpl.supports_tool_calls
     with pytest.raises(InvalidRequest) as ei:
         tmpl.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
-    assert ei.value.param == "messages"
+    assert (ei.value.param, ei.value.code) == ("messages[1].content", "unsupported_value")
+    assert "tool_calls" in ei.value.message and "Error" not in ei.value.message
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is not none %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+)
+
+
+def test_null_content_with_tool_calls_renders_when_the_template_supports_them(tok):
+    t = ChatTemplate(tok, TOOL_TEMPLATE)
+    assert t.supports_tool_calls
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    p = t.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "4"}], add_generation_prompt=False)
+    assert p.text == ('<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": "{}"}'
+                      "</tool_call><|im_end|>\n<|im_start|>tool\n4<|im_end|>\n")
+
+
+def test_template_type_error_names_no_python_internals(tok):
+    t = ChatTemplate(tok, "{% for m in messages %}{{ m.content + 1 }}{% endfor %}")
+    with pytest.raises(InvalidRequest) as ei:
+        t.render([{"role": "user", "content": "x"}])
+    assert ei.value.param == "messages" and "TypeError" not in ei.value.message and "Error" not in ei.value.message
 
 
 @pytest.mark.parametrize("role", ["wizard", "narrator", "User", "user<|im_end|>", "system ", "x" * 10000])
