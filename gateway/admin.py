@@ -54,13 +54,13 @@ async def _json(request: Request) -> Any:
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_BODY:
-            raise InvalidRequest("request body too large", status=413)
+            raise InvalidRequest("request body too large", status=413, code="request_too_large")
     if not body:
         return {}
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise InvalidRequest("request body is not valid JSON") from None
+        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
 
 
 def _obj(body: Any) -> dict[str, Any]:

@@ -11,7 +11,8 @@ Request handling order (each step's failure is an OpenAI error object):
 auth (tenancy, when configured) -> body (413 over ``max_body_bytes``,
 chunked bodies included, counted while reading) -> JSON/types (400) ->
 model (404) -> ranges (400, ``param`` named) -> template + tokenize (400) ->
-context length (400 ``context_length_exceeded``) -> the ``CallResponse``
+context length (400 ``context_length_exceeded`` for a prompt that fills it, 400 ``invalid_value`` naming
+max_tokens for a limit that does not fit after the prompt) -> the ``CallResponse``
 producer: admission (429), backend pick (503), generation.
 
 Errors are rendered from ``gateway.errors`` (``APIError.body()``, status, headers);
@@ -222,26 +223,33 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: int, param: str = "max_tokens") -> int:
+def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: int, *, prompt_param: str = "messages",
+                       max_param: str = "max_tokens") -> int:
     """Tokens to generate: ``requested``, or what fits in the context when absent.
 
+    Args:
+        prompt_param: the field holding the prompt ("messages", or "prompt" on /v1/completions).
+        max_param: the field the client set the limit with ("max_tokens" or "max_completion_tokens").
+
     Raises:
-        ContextLengthExceeded: the prompt alone fills the context (param ``messages``/``prompt``), or
-            prompt + requested > context (param ``max_tokens``): never clamped (docs/gateway.md).
+        ContextLengthExceeded: the prompt alone fills the context (param ``prompt_param``, code
+            ``context_length_exceeded``).
+        InvalidRequest: prompt + requested > context (param ``max_param``, code ``invalid_value``: the
+            prompt fits, the limit is what is too large): never clamped (docs/gateway.md).
     """
     if prompt_len >= context_length:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {context_length} tokens. However, your prompt has {prompt_len} tokens "
             f"and leaves no room for a completion. Please shorten the prompt.",
-            param="messages" if param != "prompt" else "prompt",
+            param=prompt_param,
         )
     if requested is None:
         return context_length - prompt_len
     if prompt_len + requested > context_length:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {context_length} tokens. However, you requested {prompt_len + requested} tokens "
-            f"({prompt_len} in the messages, {requested} in the completion). Please reduce the length of the messages or completion.",
-            param="messages",
+        raise InvalidRequest(
+            f"'{max_param}' is too large: {requested}. This model's maximum context length is {context_length} tokens and "
+            f"your prompt has {prompt_len} tokens, so '{max_param}' can be at most {context_length - prompt_len}.",
+            param=max_param, code="invalid_value",
         )
     return requested
 
@@ -290,7 +298,9 @@ async def chat_completions(request: Request) -> Any:
     req = decode_chat(body)
     card = gw.card
     model = gw.check_model(req.model)
+    max_param = "max_tokens"
     if req.max_completion_tokens is not None:
+        max_param = "max_completion_tokens"
         if req.max_completion_tokens < 1:
             raise InvalidRequest("Invalid value for 'max_completion_tokens': must be >= 1.", param="max_completion_tokens", code="invalid_value")
         req.max_tokens = req.max_completion_tokens
@@ -309,7 +319,7 @@ async def chat_completions(request: Request) -> Any:
         lambda: gw.template.render(messages, add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message),
         _chars(messages))).ids
-    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length)
+    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length, max_param=max_param)
     sampling = _sampling(req, max_tokens, logprobs=req.logprobs, top_logprobs=top or 0)
     rec = _record(request)
     if rec is not None:
@@ -363,7 +373,8 @@ async def completions(request: Request) -> Any:
         raise InvalidRequest("'prompt' must be one string, a one-string array, or an array of token ids (batches are not supported).", param="prompt", code="invalid_value")
     if not ids:
         raise InvalidRequest("'prompt' is empty.", param="prompt", code="invalid_value")
-    max_tokens = resolve_max_tokens(len(ids), 16 if req.max_tokens is None else req.max_tokens, card.context_length, param="prompt")
+    max_tokens = resolve_max_tokens(len(ids), 16 if req.max_tokens is None else req.max_tokens, card.context_length,
+                                    prompt_param="prompt")
     sampling = _sampling(req, max_tokens, logprobs=lp is not None, top_logprobs=lp or 0)
     rec = _record(request)
     if rec is not None:

@@ -82,7 +82,9 @@ def request_error_to_api(err: RequestError) -> APIError:
     """Map a backend ``RequestError`` (OpenAI-style code) to the gateway's exception tree."""
     if err.code == "context_length_exceeded":
         return ContextLengthExceeded(err.message, param=err.param or "messages")
-    if err.code in ("invalid_request_error", "invalid_token_id", "invalid_parameter"):
+    if err.code in ("invalid_request_error", "invalid_parameter"):  # the backend's names for OpenAI's invalid_value
+        return InvalidRequest(err.message, param=err.param, code="invalid_value")
+    if err.code == "invalid_token_id":
         return InvalidRequest(err.message, param=err.param, code=err.code)
     return InternalError("The inference backend failed on this request.", code=err.code or "internal_error")
 

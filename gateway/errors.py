@@ -67,7 +67,8 @@ class InvalidRequest(APIError):
 
 
 class ContextLengthExceeded(InvalidRequest):
-    """400 ``context_length_exceeded``: prompt (+ max_tokens) does not fit the model's context."""
+    """400 ``context_length_exceeded``: the prompt itself does not fit the model's context (a ``max_tokens`` too
+    large for what the prompt leaves is ``InvalidRequest`` ``invalid_value`` naming ``max_tokens``)."""
 
     def __init__(self, message: str, *, param: str | None = "messages") -> None:
         super().__init__(message, param=param, code="context_length_exceeded")

@@ -92,6 +92,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 _PATH_RE = re.compile(r"at `\$\.?(.*)`")
+_MISSING_RE = re.compile(r"missing required field `([^`]*)`")
 
 
 def _decode(body: bytes, typ: type) -> Any:
@@ -100,10 +101,15 @@ def _decode(body: bytes, typ: type) -> Any:
     except msgspec.ValidationError as exc:
         msg = str(exc)
         m = _PATH_RE.search(msg)
-        param = m.group(1) if m else None
+        param = m.group(1).replace("[...]", "") if m else None  # "logit_bias[...]": a value of that map
+        missing = _MISSING_RE.search(msg)
+        if missing:  # OpenAI: "Missing required parameter: 'messages'." param = the missing field
+            field = missing.group(1)
+            param = f"{param}.{field}" if param else field
+            raise InvalidRequest(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter") from None
         if param == "":
             param = None
-        raise InvalidRequest(f"Invalid request body: {msg}", param=param, code="invalid_type" if "Expected" in msg else None) from None
+        raise InvalidRequest(f"Invalid request body: {msg}", param=param, code="invalid_type" if "Expected" in msg else "invalid_value") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
     except RecursionError:

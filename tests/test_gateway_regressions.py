@@ -115,3 +115,35 @@ def test_assistant_tool_calls_without_content_is_a_clean_400(gateway):
     msgs[1] = {**msgs[1], "content": "Let me look that up."}
     r = post_json(gateway, "/v1/chat/completions", chat_body(gateway, messages=msgs, max_tokens=1))
     assert r.status_code == 200, r.text
+
+
+def test_error_param_and_code_name_the_field_at_fault(gateway):
+    """A max_tokens too large for the context named "messages" with context_length_exceeded; missing fields named
+    no param; a logit_bias value of the wrong type named "logit_bias[...]"."""
+    ctx = httpx.get(gateway.base_url + "/v1/models", headers=gateway.headers(), timeout=10).json()["data"][0]["context_length"]
+
+    def err(path, body):
+        r = post_json(gateway, path, body)
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert e["type"] == "invalid_request_error" and "Error" not in e["message"], e
+        return e
+
+    for field in ("max_tokens", "max_completion_tokens"):
+        e = err("/v1/chat/completions", chat_body(gateway, "hi", **{field: ctx}))
+        assert (e["param"], e["code"]) == (field, "invalid_value"), e
+        assert str(ctx) in e["message"]
+    e = err("/v1/completions", {"model": gateway.model, "prompt": "hi", "max_tokens": ctx * 4})
+    assert (e["param"], e["code"]) == ("max_tokens", "invalid_value"), e
+    # only a prompt that itself fills the context is context_length_exceeded
+    e = err("/v1/completions", {"model": gateway.model, "prompt": [1] * ctx, "max_tokens": 1})
+    assert (e["param"], e["code"]) == ("prompt", "context_length_exceeded"), e
+    for missing in ("model", "messages"):
+        body = chat_body(gateway, "hi")
+        del body[missing]
+        e = err("/v1/chat/completions", body)
+        assert (e["param"], e["code"]) == (missing, "missing_required_parameter"), e
+    e = err("/v1/chat/completions", chat_body(gateway, "hi", logit_bias={"1": "x"}))
+    assert (e["param"], e["code"]) == ("logit_bias", "invalid_type"), e
+    r = httpx.post(gateway.base_url + "/admin/v1/tenants", content=b"{", headers={**gateway.admin_headers(), "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
