@@ -51,20 +51,11 @@ DEFAULT_DB_PATH = "./data/gateway.db"
 # query parameters that could carry a credential: rejected (401) and redacted from the scope (access logs)
 QUERY_KEY_PARAMS = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token", "auth",
                               "authorization", "bearer", "secret", "password"})
-def _static_files() -> set[str]:
-    """``/<name>`` for each playground file in gateway/static (the gateway may serve them at the root)."""
-    import os
-
-    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-    try:
-        return {"/" + n for n in os.listdir(d) if not n.startswith(("_", ".")) and not n.endswith(".py")}
-    except OSError:
-        return set()
-
-
-PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/openapi.json", "/favicon.ico", "/playground",
-                          "/playground/", "/index.html", *_static_files()})
-PUBLIC_PREFIXES = ("/static/", "/playground/")
+# Exactly what the gateway serves without a key (gateway/server.py: the playground is GET / and /static/*;
+# /metrics: docs/observability.md). Any other path, unknown ones included, needs a key first, so that an
+# unauthenticated client learns nothing, not even a 404.
+PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/openapi.json"})
+PUBLIC_PREFIXES = ("/static/",)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -147,3 +147,24 @@ def test_error_param_and_code_name_the_field_at_fault(gateway):
     assert (e["param"], e["code"]) == ("logit_bias", "invalid_type"), e
     r = httpx.post(gateway.base_url + "/admin/v1/tenants", content=b"{", headers={**gateway.admin_headers(), "content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+def test_documented_public_paths_are_served(gateway):
+    """docs/tenancy.md listed /app.js, /favicon.ico, /playground as public, and they were 404s: every path it lists
+    now answers 200 without a key, and a path that is not served needs a key like any unknown path."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "tenancy.md").read_text()
+    para = doc[doc.index("Public (no key)"):doc.index("`OPTIONS`")]
+    paths = [p for p in re.findall(r"`(/[^`]*)`", para) if "*" not in p]
+    assert {"/", "/static/app.js", "/healthz", "/openapi.json", "/metrics"} <= set(paths), paths
+    for p in paths:
+        r = httpx.get(gateway.base_url + p, timeout=30)
+        assert r.status_code == 200, (p, r.status_code)
+    for p in ("/app.js", "/favicon.ico", "/playground", "/playground/", "/index.html", "/playground/app.js"):
+        r = httpx.get(gateway.base_url + p, timeout=30)
+        assert r.status_code == 401, (p, r.status_code)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.get(gateway.base_url + p, headers=gateway.headers(), timeout=30)
+        assert r.status_code == 404, (p, r.status_code)
