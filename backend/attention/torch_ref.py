@@ -13,7 +13,7 @@
   ``S - n`` (query ``i`` sees keys ``j <= S - n + i``): SDPA in float32 (and on CUDA),
   query tiles of bf16/fp16 GEMMs on CPU (``TorchAttention._prefill_tiled``).
 
-Accumulation: float32 (decode: SDPA, or bf16 scores rounded once then a float32 softmax; prefill: torch's SDPA kernels accumulate
+Accumulation: float32 (decode and CPU bf16 prefill: scores rounded to bf16 once, softmax accumulates in float32; SDPA kernels accumulate
 in float32 for bf16/fp16 inputs, CPU flash kernel and CUDA flash/efficient kernels).
 
 Source followed: vLLM PagedAttention semantics (https://arxiv.org/abs/2309.06180),
@@ -125,7 +125,8 @@ class TorchAttention:
         nkv, S, _ = k.shape
         g = nh // nkv
         P = S - n
-        qh = q.view(n, nkv, g, hd).transpose(0, 1).reshape(nkv, n * g, hd)
+        # the scale folded into q (in float32, rounded once; exact for hd = 64: 1/8)
+        qh = (q.float() * scale).to(q.dtype).view(n, nkv, g, hd).transpose(0, 1).reshape(nkv, n * g, hd)
         out = torch.empty(nkv, n * g, hd, dtype=q.dtype, device=q.device)
         tile = self.PREFILL_TILE
         tri = self._tri.get(tile)
@@ -134,9 +135,9 @@ class TorchAttention:
         for a in range(0, n, tile):
             b = min(n, a + tile)
             t, e = b - a, P + b
-            s = torch.bmm(qh[:, a * g : b * g], k[:, :e].transpose(1, 2)).float().view(nkv, t, g, e)
+            s = torch.bmm(qh[:, a * g : b * g], k[:, :e].transpose(1, 2)).view(nkv, t, g, e)
             s[..., P + a : e].masked_fill_(tri[:t, :t][None, :, None, :], float("-inf"))
-            p = torch.softmax(s.mul_(scale), dim=-1).to(q.dtype).view(nkv, t * g, e)
+            p = torch.softmax(s, dim=-1).view(nkv, t * g, e)  # float32 inside, compute dtype out
             torch.bmm(p, v[:, :e], out=out[:, a * g : b * g])
         return out.view(nkv, n, g, hd).transpose(0, 1).reshape(n, nh, hd)
 
@@ -172,7 +173,7 @@ class TorchAttention:
         block-diagonal ``Q' [nd, nh, nkv*hd]`` (zeros elsewhere), so ``Q' @ K^T`` reads the keys as
         the contiguous ``[nd, L, nkv*hd]`` they are (no per-head copy) at ``nkv`` times the (tiny)
         flops; ``P @ V`` gives every head against every KV head and the diagonal blocks are kept.
-        Scores are rounded to the compute dtype by the matmul, then bias + softmax run in float32.
+        Scores are rounded to the compute dtype by the matmul; the softmax accumulates in float32.
         """
         nd, L, nkv, hd = k.shape
         nh = q.shape[1]
@@ -183,10 +184,10 @@ class TorchAttention:
             eye = (torch.eye(nkv, dtype=torch.float32, device=q.device) * scale).to(q.dtype).view(1, nkv, 1, nkv, 1)
             self._eye[key] = eye
         qd = (q.view(nd, nkv, g, 1, hd) * eye).view(nd, nh, nkv * hd)
-        s = torch.bmm(qd, k.view(nd, L, nkv * hd).transpose(1, 2)).float()  # [nd, nh, L]
+        s = torch.bmm(qd, k.view(nd, L, nkv * hd).transpose(1, 2))  # [nd, nh, L], compute dtype
         if bias is not None:
-            s += bias
-        p = torch.softmax(s, dim=-1).to(q.dtype)
+            s += bias.to(s.dtype)  # 0 / -inf: exact in any dtype
+        p = torch.softmax(s, dim=-1)  # float32 inside, compute dtype out
         o = torch.bmm(p, v.view(nd, L, nkv * hd)).view(nd, nkv, g, nkv, hd)
         return torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(nd, nh, hd)
 
