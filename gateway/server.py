@@ -7,9 +7,11 @@ Lifecycle:
 2. Text: tokenizer + chat template loaded from ``--tokenizer``, else ``--model``, else the backend's
    ``ModelCard.model_path``.
 3. HTTP: ``hypercorn.trio.serve`` on ``--host``/``--port``; a curl example is printed when ready.
-4. SIGINT/SIGTERM: stop admitting (new requests 503, /readyz 503), hypercorn stops accepting and waits up to
-   ``--drain-timeout`` seconds for in-flight requests, then backends get ``Shutdown`` (bounded wait, then
-   SIGKILL). A second signal exits at once.
+4. SIGINT/SIGTERM: drain. The listener stays open and every new request (new connection or kept-alive)
+   is answered 503 ``server_shutting_down`` with ``Retry-After`` and ``Connection: close`` (``DrainGate``;
+   /healthz 200, /readyz 503, /metrics and /admin/v1/stats still answer), while in-flight requests run on for up to ``--drain-timeout`` seconds; when
+   the last one ends (or the time is up) hypercorn stops (1 s more grace, then the rest is cancelled),
+   then backends get ``Shutdown`` (bounded wait, then SIGKILL). A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from functools import partial
 from typing import Any
 
+import msgspec
 import trio
 
 from gateway.app import Gateway, GatewayConfig, build_app
@@ -110,22 +113,28 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
         template = ChatTemplate(tokenizer, card.chat_template if card and card.chat_template else None)
         gw = Gateway(config, pool, tokenizer, template)
         extra_routes, middleware = await _plugins(gw, args, nursery)
-        asgi = _wrap(build_app(gw, extra_routes=extra_routes, middleware=middleware), gw)
+        gate = DrainGate(build_app(gw, extra_routes=extra_routes, middleware=middleware), pool)
+        asgi = _wrap(gate, gw)
 
         from hypercorn.config import Config
         from hypercorn.trio import serve as hyper_serve
 
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]
-        hc.graceful_timeout = args.drain_timeout
+        hc.graceful_timeout = 1.0  # after DrainGate's drain: closes idle connections, cancels what ran over
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         hc.keep_alive_timeout = 75
         done = trio.Event()
 
+        async def drained() -> None:  # hypercorn's shutdown trigger: signal, then in-flight requests done
+            await shutdown.wait()
+            with trio.move_on_after(args.drain_timeout):
+                await gate.idle()
+
         async def http(task_status=trio.TASK_STATUS_IGNORED):
             try:
-                await hyper_serve(asgi, hc, shutdown_trigger=shutdown.wait, task_status=task_status)
+                await hyper_serve(asgi, hc, shutdown_trigger=drained, task_status=task_status)
             finally:
                 done.set()
 
@@ -175,6 +184,55 @@ async def _plugins(gw: Gateway, args: argparse.Namespace, nursery: trio.Nursery)
     if os.path.isdir(static):
         routes += [Route("/", index, methods=["GET"]), Mount("/static", StaticFiles(directory=static), name="static")]
     return routes, [Middleware(TenancyMiddleware, tenancy=tenancy)]
+
+
+class DrainGate:
+    """ASGI middleware: counts HTTP requests in flight and, once the pool is draining (SIGINT/SIGTERM), answers
+    every new one except the probes and monitoring (``/healthz``, ``/readyz``, ``/metrics``, ``/admin/v1/stats``,
+    which shows ``draining``) with 503 ``server_shutting_down``, ``Retry-After`` and
+    ``Connection: close`` in OpenAI's error shape, without reading it (a load balancer or client retries
+    elsewhere or later). ``idle()`` returns once nothing admitted is in flight (the drain is over)."""
+
+    RETRY_AFTER_S = 5
+    PROBES = ("/healthz", "/readyz", "/metrics", "/admin/v1/stats")
+
+    def __init__(self, app: Any, pool: BackendPool) -> None:
+        self.app = app
+        self.pool = pool
+        self.in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def __getattr__(self, name: str) -> Any:  # app.state etc. reach the wrapped app
+        return getattr(self.app, name)
+
+    async def idle(self) -> None:
+        while self.in_flight:
+            await self._idle.wait()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.pool.draining and scope.get("path") not in self.PROBES:
+            from gateway.errors import ServiceUnavailable
+
+            err = ServiceUnavailable("The server is shutting down; retry the request.", code="server_shutting_down")
+            body = msgspec.json.encode(err.body())
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(self.RETRY_AFTER_S).encode()), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.in_flight += 1
+        if self.in_flight == 1:
+            self._idle = trio.Event()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
 
 
 def _wrap(app: Any, gw: Gateway) -> Any:

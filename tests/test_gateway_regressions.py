@@ -168,3 +168,40 @@ def test_documented_public_paths_are_served(gateway):
         assert r.json()["error"]["type"] == "invalid_request_error"
         r = httpx.get(gateway.base_url + p, headers=gateway.headers(), timeout=30)
         assert r.status_code == 404, (p, r.status_code)
+
+
+def test_drain_answers_new_requests_with_503(make_gateway):
+    """During a SIGTERM drain a new connection was refused (the listener was closed at once); now it gets a 503 in
+    OpenAI's shape with Retry-After, while the in-flight request runs on; the process exits 0 once it ends."""
+    import json
+    import signal
+    import time
+
+    gw = make_gateway("--drain-timeout", "120")
+    body = chat_body(gw, "Tell me a very long story.", max_tokens=4000, ignore_eos=True, temperature=0, stream=True)
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", gw.base_url + "/v1/chat/completions", json=body, headers=gw.headers()) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert "choices" in json.loads(first[6:])
+            gw.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while httpx.get(gw.base_url + "/readyz", timeout=10).status_code != 503:  # a new connection each time
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            for path in ("/v1/chat/completions", "/v1/models"):
+                r2 = httpx.post(gw.base_url + path, json=chat_body(gw, "hi", max_tokens=1), headers=gw.headers(), timeout=30) \
+                    if path.endswith("completions") else httpx.get(gw.base_url + path, headers=gw.headers(), timeout=30)
+                assert r2.status_code == 503, (path, r2.text)
+                assert r2.headers["retry-after"].isdigit() and r2.headers["connection"] == "close"
+                err = r2.json()["error"]
+                assert (err["type"], err["code"], err["param"]) == ("server_error", "server_shutting_down", None), err
+                assert err["message"]
+            assert httpx.get(gw.base_url + "/healthz", timeout=10).status_code == 200
+            assert gw.stats()["draining"] is True
+            assert gw.proc.poll() is None  # the in-flight stream keeps the process up
+            more = [line for _, line in zip(range(3), (x for x in lines if x.startswith("data: ")))]
+            assert len(more) == 3 and all("choices" in json.loads(x[6:]) for x in more)
+        # the client left: the drain is over, the process exits at once
+    assert gw.proc.wait(30) == 0
