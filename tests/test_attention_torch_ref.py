@@ -53,12 +53,22 @@ def build(seqs, num_blocks, rng):
     return meta, tables
 
 
+BATCHES = {
+    # 3 decodes (bf16: block-diagonal path) + prefill chunks with cached prefixes, one longer than a tile
+    "mixed": [(37, 1), (200, 1), (15, 1), (0, 300), (130, 70), (16, 5)],
+    # 1-2 decodes (bf16: float32 SDPA path), alone and with a chunk
+    "one_decode": [(150, 1)],
+    "two_decodes_and_chunk": [(31, 1), (64, 1), (40, 9)],
+}
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
-def test_mixed_batch_matches_dense_reference(dtype, tol) -> None:
-    """Decodes of different lengths plus prefill chunks with cached prefixes, one longer than a tile."""
+def test_batch_matches_dense_reference(dtype, tol, batch) -> None:
+    """Every path of the torch reference against plain causal attention over the same (rounded) K/V."""
     rng = random.Random(0)
     torch.manual_seed(0)
-    seqs = [(37, 1), (200, 1), (15, 1), (0, 300), (130, 70), (16, 5)]
+    seqs = BATCHES[batch]
     num_blocks = 80
     meta, tables = build(seqs, num_blocks, rng)
     k_cache = torch.zeros(num_blocks, BS, NKV, HD)

@@ -103,6 +103,9 @@ class TorchAttention:
             out[row : row + n] = o.transpose(0, 1)
         return out
 
+    #: bf16/fp16 decode batches of at most this many sequences use float32 SDPA (see ``_decode``)
+    DECODE_FP32_MAX_SEQS = 2
+
     #: query rows per tile of ``_prefill_tiled`` (measured, bf16, 512 queries x 2,000 keys per layer:
     #: 64 -> 12.2 ms, 128 -> 13.0, 256 -> 14.8, 512 -> 25.6; SDPA 18.1)
     PREFILL_TILE = 128
@@ -148,7 +151,10 @@ class TorchAttention:
         than advanced indexing here) into ``[nd, L, nkv, hd]``; padded keys get a ``-inf`` bias.
         Then, measured per layer on the 2-core CPU VM (bench in docs/perf.md, 32 sequences x 192
         keys): float32 -> SDPA over the strided gathered view (0.7 ms; a per-head bmm loop took
-        4.8 ms); bfloat16/float16 on CPU -> ``_decode_blockdiag`` (0.55 ms; bf16 SDPA took 3.0 ms).
+        4.8 ms); bfloat16/float16 on CPU -> ``_decode_blockdiag`` (0.55 ms; bf16 SDPA took 3.0 ms),
+        except for at most ``DECODE_FP32_MAX_SEQS`` sequences, where the few gathered keys are
+        converted to float32 for SDPA (1 sequence x 144 keys: 74 us vs 123 us; oneDNN's bf16 GEMM
+        costs ~21 us a call at these tiny shapes).
         """
         nd, L, flat_blocks, bias = plan["decode"]
         nkv, hd = k_cache.shape[-2:]
@@ -156,14 +162,17 @@ class TorchAttention:
         k = k_cache.index_select(0, flat_blocks).view(nd, L, nkv, hd)
         v = v_cache.index_select(0, flat_blocks).view(nd, L, nkv, hd)
         q = query[:nd]
-        if q.dtype != torch.float32 and q.device.type == "cpu" and nkv <= 4:
-            return self._decode_blockdiag(q, k, v, bias, scale)
+        dt = q.dtype
+        if dt != torch.float32 and q.device.type == "cpu":
+            if nkv <= 4 and nd > self.DECODE_FP32_MAX_SEQS:
+                return self._decode_blockdiag(q, k, v, bias, scale)
+            q, k, v = q.float(), k.float(), v.float()
         mask = None if bias is None else bias.unsqueeze(1).to(q.dtype)  # [nd, 1, 1, L]
         o = F.scaled_dot_product_attention(
             q.view(nd, nh, 1, hd), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
             enable_gqa=nh != nkv,
         )
-        return o.view(nd, nh, hd)
+        return o.view(nd, nh, hd).to(dt)
 
     def _decode_blockdiag(self, q, k, v, bias, scale: float) -> torch.Tensor:
         """Grouped-query decode as two plain ``bmm`` over all KV heads at once.

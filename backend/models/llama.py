@@ -320,7 +320,10 @@ class LlamaModel:
         return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
 
     def rope_matrices(self, positions: torch.Tensor, max_pos: int) -> torch.Tensor:
-        """Per-token RoPE matrices ``[T, hd, hd]`` (compute dtype): ``rope(x) == x @ M[t]``.
+        """Per-token RoPE matrices ``[T, hd, hd]`` (float32 on CPU, else the compute dtype): ``rope(x) == x @ M[t]``.
+
+        On CPU the rotation runs in float32 (the ``bmm`` of one token's 12 heads took 4.6 us in float32
+        vs 16 us in bfloat16 on the 2-core VM; the result is rounded to the compute dtype after).
 
         ``M = diag(cos) + P * sin`` on the rotated dims (identity on the others), with ``P`` the
         rotate-half matrix; each output element is ``x_i cos_i +- x_j sin_i`` (exact zeros elsewhere).
@@ -333,7 +336,7 @@ class LlamaModel:
             c, s = torch.cat([c, pad], 1), torch.cat([s, pad], 1)
         eye = torch.eye(hd, device=c.device)
         m = eye * c[:, None, :] + self._rot_p * s[:, None, :] + self._eye_pass
-        return m.to(self.dtype)
+        return m if self.device.type == "cpu" else m.to(self.dtype)
 
     def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """HF rotate-half RoPE on ``x [T, heads, head_dim]`` in float32; returns the compute dtype."""
@@ -392,7 +395,7 @@ class LlamaModel:
             h = F.rms_norm(x, (H,), ln1, eps).to(dtype)
             qkv = qkv_w(h)
             if use_bmm:
-                qk = torch.bmm(qkv[:, : qs + ks].view(T, nh + nkv, hd), rot)
+                qk = torch.bmm(qkv[:, : qs + ks].view(T, nh + nkv, hd).to(rot.dtype), rot).to(dtype)
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
                 q = self._apply_rope(qkv[:, :qs].view(T, nh, hd), cos, sin)
