@@ -97,6 +97,8 @@ class AttentionBackend(Protocol):
         query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
         Returns:
-            ``[T, num_heads, head_dim]`` in the query's dtype (fp32 accumulation).
+            ``[T, num_heads, head_dim]`` in the KV cache's dtype (fp32 accumulation). The query is in
+            that dtype too, except that the torch reference also takes a float32 query over a bf16/fp16
+            cache (the model's float32 RoPE output on CPU).
         """
         ...

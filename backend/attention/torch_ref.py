@@ -74,15 +74,19 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Attention of ``query [T, nh, hd]`` over the paged cache; returns ``[T, nh, hd]`` in ``query.dtype``."""
+        """Attention of ``query [T, nh, hd]`` over the paged cache; returns ``[T, nh, hd]`` in the cache dtype.
+
+        ``query`` is in the cache dtype, or float32 over a bf16/fp16 cache (the model's float32 RoPE
+        output on CPU, used as is by the float32 decode path).
+        """
         plan = _plan(meta, query.device)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, plan, scale)
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
         if nd:
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, plan, scale)
-        tiled = query.dtype != torch.float32 and query.device.type == "cpu"
+        tiled = k_cache.dtype != torch.float32 and query.device.type == "cpu"
         for row, n, S, blocks, mask in plan["prefills"]:
             k = k_cache.index_select(0, blocks).flatten(0, 1)[:S].transpose(0, 1)  # [nkv, S, hd]
             v = v_cache.index_select(0, blocks).flatten(0, 1)[:S].transpose(0, 1)
@@ -129,8 +133,8 @@ class TorchAttention:
         g = nh // nkv
         P = S - n
         # the scale folded into q (in float32, rounded once; exact for hd = 64: 1/8)
-        qh = (q.float() * scale).to(q.dtype).view(n, nkv, g, hd).transpose(0, 1).reshape(nkv, n * g, hd)
-        out = torch.empty(nkv, n * g, hd, dtype=q.dtype, device=q.device)
+        qh = (q.float() * scale).to(k.dtype).view(n, nkv, g, hd).transpose(0, 1).reshape(nkv, n * g, hd)
+        out = torch.empty(nkv, n * g, hd, dtype=k.dtype, device=q.device)
         tile = self.PREFILL_TILE
         tri = self._tri.get(tile)
         if tri is None:
@@ -162,10 +166,10 @@ class TorchAttention:
         k = k_cache.index_select(0, flat_blocks).view(nd, L, nkv, hd)
         v = v_cache.index_select(0, flat_blocks).view(nd, L, nkv, hd)
         q = query[:nd]
-        dt = q.dtype
+        dt = k.dtype
         if dt != torch.float32 and q.device.type == "cpu":
             if nkv <= 4 and nd > self.DECODE_FP32_MAX_SEQS:
-                return self._decode_blockdiag(q, k, v, bias, scale)
+                return self._decode_blockdiag(q.to(dt), k, v, bias, scale)
             q, k, v = q.float(), k.float(), v.float()
         mask = None if bias is None else bias.unsqueeze(1).to(q.dtype)  # [nd, 1, 1, L]
         o = F.scaled_dot_product_attention(

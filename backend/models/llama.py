@@ -395,7 +395,8 @@ class LlamaModel:
             h = F.rms_norm(x, (H,), ln1, eps).to(dtype)
             qkv = qkv_w(h)
             if use_bmm:
-                qk = torch.bmm(qkv[:, : qs + ks].view(T, nh + nkv, hd).to(rot.dtype), rot).to(dtype)
+                # float32 on CPU: q stays float32 (the attention takes it as is), k is rounded on write
+                qk = torch.bmm(qkv[:, : qs + ks].view(T, nh + nkv, hd).to(rot.dtype), rot)
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
                 q = self._apply_rope(qkv[:, :qs].view(T, nh, hd), cos, sin)
