@@ -72,7 +72,8 @@ def make_attention_backend(name: str, dtype: torch.dtype | None = None, device: 
     if name == "torch":
         from backend.attention.torch_ref import TorchAttention
 
-        return TorchAttention()
+        # the C++ paged decode kernel (built on first use) on CPU; CUDA keeps the pure-torch path
+        return TorchAttention(cpu_kernel=device is not None and torch.device(device).type == "cpu")
     if name == "cupy":
         from kernels_cupy.attention import CupyAttention  # lazy: cupy only where asked for
 

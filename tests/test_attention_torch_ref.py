@@ -62,10 +62,23 @@ BATCHES = {
 }
 
 
+@pytest.fixture(scope="module")
+def cpu_kernel():
+    """The compiled C++ decode kernel module (built once per machine; skipped where it cannot build)."""
+    from backend.attention import cpu_decode
+
+    mod = cpu_decode.load()
+    if mod is None:
+        pytest.skip("C++ CPU decode kernel unavailable here")
+    return mod
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
-def test_batch_matches_dense_reference(dtype, tol, batch) -> None:
-    """Every path of the torch reference against plain causal attention over the same (rounded) K/V."""
+def test_batch_matches_dense_reference(dtype, tol, batch, kernel, request) -> None:
+    """Every path of the torch reference (and the C++ decode kernel) against plain causal attention
+    over the same (rounded) K/V."""
     rng = random.Random(0)
     torch.manual_seed(0)
     seqs = BATCHES[batch]
@@ -84,6 +97,8 @@ def test_batch_matches_dense_reference(dtype, tol, batch) -> None:
     new_k = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     new_v = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])
     attn = TorchAttention()
+    if kernel == "cpp":
+        attn._cpu_kernel = request.getfixturevalue("cpu_kernel")
     kc, vc = k_cache.to(dtype), v_cache.to(dtype)
     attn.write_kv(new_k.to(dtype), new_v.to(dtype), kc, vc, meta)
     scale = 1 / math.sqrt(HD)
@@ -94,3 +109,17 @@ def test_batch_matches_dense_reference(dtype, tol, batch) -> None:
         err = (out[row : row + n] - want).abs().max().item()
         assert err < tol, f"seq cached={c} new={n}: max abs err {err}"
         row += n
+
+
+def test_cpu_kernel_rejects_bad_tables(cpu_kernel) -> None:
+    """Lengths beyond the block table and block ids outside the pool are errors, not wild reads."""
+    k = torch.zeros(4, BS, NKV, HD, dtype=torch.bfloat16)
+    q = torch.zeros(1, NKV * G, HD)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="length"):
+        cpu_kernel.paged_decode(q, k, k, bt, torch.tensor([2 * BS + 1], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="block id"):
+        cpu_kernel.paged_decode(q, k, k, torch.tensor([[0, 9]], dtype=torch.int32),
+                                torch.tensor([BS + 1], dtype=torch.int32), 0.125)
+    out = cpu_kernel.paged_decode(q, k, k, bt, torch.tensor([BS + 1], dtype=torch.int32), 0.125)
+    assert out.shape == (1, NKV * G, HD) and out.dtype == torch.bfloat16

@@ -42,7 +42,14 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_kernel: bool = False) -> None:
+        """``cpu_kernel``: build/load the C++ paged decode kernel (``backend.attention.cpu_decode``) and
+        use it for decode on CPU caches (falls back to the torch code when it is unavailable)."""
+        self._cpu_kernel = None
+        if cpu_kernel:
+            from backend.attention import cpu_decode
+
+            self._cpu_kernel = cpu_decode.load()
         self._eye: dict = {}  # (dtype, device, nkv, scale) -> block-diagonal scaled identity
         self._tri: dict = {}  # tile -> [tile, tile] bool, True above the diagonal
 
@@ -81,11 +88,20 @@ class TorchAttention:
         """
         plan = _plan(meta, query.device)
         nd = meta.num_decodes
+        if (nd and self._cpu_kernel is not None and query.device.type == "cpu"
+                and (nd <= self.CPU_KERNEL_MAX_DECODES or k_cache.dtype == torch.float32)):
+            dec = self._cpu_kernel.paged_decode(
+                query[:nd].float().contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, float(scale)
+            )
+            if nd == meta.num_seqs:
+                return dec
+        else:
+            dec = None
         if nd == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, plan, scale)
+            out[:nd] = dec if dec is not None else self._decode(query[:nd], k_cache, v_cache, plan, scale)
         tiled = k_cache.dtype != torch.float32 and query.device.type == "cpu"
         for row, n, S, blocks, mask in plan["prefills"]:
             k = k_cache.index_select(0, blocks).flatten(0, 1)[:S].transpose(0, 1)  # [nkv, S, hd]
@@ -106,6 +122,12 @@ class TorchAttention:
             o = o[0]
             out[row : row + n] = o.transpose(0, 1)
         return out
+
+    #: the C++ decode kernel serves float32 caches always and bf16 caches up to this many decode
+    #: sequences. Measured, 30 layers x 256 keys from DRAM on the 2-core VM, torch vs C++: bf16 1 seq
+    #: 3.3 vs 1.6 ms, 8: 9.6 vs 6.9, 16: 14.9 vs 13.5, 32: 29.9 vs 31.2; float32 32: 53.6 vs 37.7, 64:
+    #: 126.9 vs 80.2
+    CPU_KERNEL_MAX_DECODES = 16
 
     #: bf16/fp16 decode batches of at most this many sequences use float32 SDPA (see ``_decode``)
     DECODE_FP32_MAX_SEQS = 2

@@ -1,0 +1,92 @@
+"""C++ paged decode attention for the CPU, built on first use with ``torch.utils.cpp_extension``.
+
+``paged_decode`` reads each decode sequence's keys and values in place from the block pool
+through its block table (the torch reference first gathers them into a dense copy), computes
+in float32 and runs one (sequence, KV head) pair per task on torch's intra-op thread pool. The
+source is ``cpu_decode.cpp`` beside this file; the compiled module is cached by torch under
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so only the first process on a
+machine pays the ~1 minute build.
+
+``load()`` returns None (callers keep the torch path) when the build fails (no C++ compiler or
+ninja), off Linux x86-64, or when ``LLM_GATEWAY_CPU_KERNEL=0`` is set.
+
+Source followed: vLLM PagedAttention semantics (https://arxiv.org/abs/2309.06180); the
+``torch.utils.cpp_extension.load_inline`` documentation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("cpu_decode.cpp")
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def enabled() -> bool:
+    """False when ``LLM_GATEWAY_CPU_KERNEL`` is ``0``/``false``/``off`` or the platform is not Linux x86-64."""
+    if os.environ.get("LLM_GATEWAY_CPU_KERNEL", "1").lower() in ("0", "false", "off", "no"):
+        return False
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def load():
+    """The compiled extension module (with ``paged_decode``), or None if unavailable; built once per process."""
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        if not enabled():
+            return None
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            _module = load_inline(
+                name="llm_gateway_cpu_decode",
+                cpp_sources=[_SRC.read_text()],
+                functions=["paged_decode"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"],
+                with_cuda=False,
+                verbose=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+            log.warning("CPU decode kernel unavailable, using the torch reference: %s", exc)
+            _module = None
+    return _module
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention of one query per sequence, straight from the paged cache.
+
+    Args:
+        query: ``[nd, nh, hd]`` (any float dtype; converted to float32).
+        k_cache / v_cache: ``[num_blocks, block_size, nkv, hd]``, float32 or bfloat16, contiguous.
+        block_tables: ``[B >= nd, W] int32`` (rows ``0..nd-1`` are used).
+        seq_lens: ``[B >= nd] int32``, keys per sequence (tokens), each in ``[1, W * block_size]``.
+        scale: softmax scale (``head_dim ** -0.5``).
+
+    Returns:
+        ``[nd, nh, hd]`` in the cache dtype.
+
+    Raises:
+        RuntimeError: the kernel is unavailable (``load()`` returned None), or bad shapes, dtypes,
+            lengths or block ids (checked in C++ before any read).
+    """
+    mod = load()
+    if mod is None:
+        raise RuntimeError("CPU decode kernel unavailable")
+    return mod.paged_decode(query.float().contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale))
