@@ -65,9 +65,9 @@ BATCHES = {
 @pytest.fixture(scope="module")
 def cpu_kernel():
     """The compiled C++ decode kernel module (built once per machine; skipped where it cannot build)."""
-    from backend.attention import cpu_decode
+    from backend import cpu_kernels
 
-    mod = cpu_decode.load()
+    mod = cpu_kernels.load()
     if mod is None:
         pytest.skip("C++ CPU decode kernel unavailable here")
     return mod

@@ -147,6 +147,41 @@ def test_mixed_batch_equals_alone(runner: ModelRunner, chat_fixtures: list[dict]
                 row += 1
 
 
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_fused_cpu_ops_match_torch_ops(which, runner: ModelRunner, runner_bf16_dense: ModelRunner,
+                                       chat_fixtures: list[dict]) -> None:
+    """The C++ fused layer ops (``backend.cpu_kernels``) and the plain torch ops give the same logits:
+    a chunked prefill (two chunks, so RoPE, the KV write and attention see cached context), then 3
+    batched decode steps."""
+    r = runner if which == "fp32" else runner_bf16_dense
+    if r.model.cpu_kernels is None:
+        pytest.skip("C++ CPU kernels unavailable here")
+    ids = chat_fixtures[1]["prompt_ids"]
+    n = len(ids)
+    results = {}
+    kern = r.model.cpu_kernels
+    try:
+        for mode in ("fused", "torch"):
+            r.model.cpu_kernels = kern if mode == "fused" else None
+            bt = list(range(-(-(n + 4) // BS)))
+            out = [r.execute([SeqChunk(ids[:20], 0, bt, True)]), r.execute([SeqChunk(ids[20:], 20, bt, True)])]
+            tok = int(out[-1][0].argmax())
+            for step in range(3):
+                out.append(r.execute([SeqChunk([tok], n + step, bt, True)]))
+                tok = int(out[-1][0].argmax())
+            results[mode] = torch.cat(out)
+    finally:
+        r.model.cpu_kernels = kern
+    tol = 2e-3 if which == "fp32" else 0.6  # two bf16 roundings apart, each ~0.3 from float32
+    assert (results["fused"] - results["torch"]).abs().max().item() < tol
+    assert torch.equal(results["fused"].argmax(-1), results["torch"].argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def runner_bf16_dense(model_path) -> ModelRunner:
+    return ModelRunner(model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64, int4_max_rows=0)
+
+
 def test_bad_chunks(runner: ModelRunner) -> None:
     with pytest.raises(ValueError):
         runner.execute([SeqChunk([], 0, [0], True)])

@@ -43,13 +43,13 @@ class TorchAttention:
     name = "torch"
 
     def __init__(self, cpu_kernel: bool = False) -> None:
-        """``cpu_kernel``: build/load the C++ paged decode kernel (``backend.attention.cpu_decode``) and
+        """``cpu_kernel``: build/load the C++ paged decode kernel (``backend.cpu_kernels``) and
         use it for decode on CPU caches (falls back to the torch code when it is unavailable)."""
         self._cpu_kernel = None
         if cpu_kernel:
-            from backend.attention import cpu_decode
+            from backend import cpu_kernels
 
-            self._cpu_kernel = cpu_decode.load()
+            self._cpu_kernel = cpu_kernels.load()
         self._eye: dict = {}  # (dtype, device, nkv, scale) -> block-diagonal scaled identity
         self._tri: dict = {}  # tile -> [tile, tile] bool, True above the diagonal
 

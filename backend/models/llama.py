@@ -224,6 +224,10 @@ class LlamaModel:
             vs oneDNN-prepacked bf16 24/26.8/27.9/29.5 ms (a decode step streams every weight from DRAM, and
             int4 reads a quarter of the bytes); the fp32 int4 kernel is far slower than dense.
         prepack: on CPU, use oneDNN-prepacked weights (``onednn_pack``) for every matmul, LM head included.
+        fused: on CPU in float32/bfloat16, run each layer's element-wise work through the C++ fused ops of
+            ``backend.cpu_kernels`` when they build (``cpu_kernels`` attribute; None = the torch path).
+            Measured, bf16 single-sequence decode step on the 2-core VM: 12.5 ms torch ops -> see
+            docs/perf.md for the fused number.
 
     Attributes:
         config: the ``LlamaConfig``.
@@ -241,6 +245,7 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         int4_max_rows: int | None = None,
         prepack: bool = True,
+        fused: bool = True,
     ):
         cfg = weights.config
         self.config = cfg
@@ -252,6 +257,11 @@ class LlamaModel:
         if self.device.type != "cpu":
             int4_max_rows = 0
         self.int4_max_rows = int4_max_rows if weights.q4 else 0
+        self.cpu_kernels = None
+        if fused and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            from backend import cpu_kernels
+
+            self.cpu_kernels = cpu_kernels.load()
         t = weights.tensors
         q4 = weights.q4
         dev = self.device
@@ -386,6 +396,10 @@ class LlamaModel:
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, ks = self.q_size, self.kv_size
         x = self.embed.index_select(0, token_ids).float()  # residual stream in fp32: [T, H]
+        kern = self.cpu_kernels
+        if kern is not None and getattr(attn, "name", "") == "torch":
+            self._layers_fused(kern, x, positions, kv_caches, attn, meta, max_pos)
+            return self._logits(x, logit_rows)
         use_bmm = T <= self.ROPE_BMM_MAX_TOKENS
         if use_bmm:
             rot = self.rope_matrices(positions, max_pos)  # [T, hd, hd]
@@ -409,7 +423,38 @@ class LlamaModel:
             gu = gu_w(h)
             g, u = gu.chunk(2, dim=-1)
             x = x + down_w(F.silu(g) * u)
+        return self._logits(x, logit_rows)
+
+    def _logits(self, x: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Final RMSNorm + LM head of the selected rows of the residual stream ``x [T, H] float32``."""
+        cfg = self.config
         if logit_rows is None or logit_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        hl = F.rms_norm(x.index_select(0, logit_rows), (H,), self.norm, eps).to(dtype)
+        hl = F.rms_norm(x.index_select(0, logit_rows), (cfg.hidden_size,), self.norm, cfg.rms_norm_eps).to(self.dtype)
         return self.lm_head(hl).float()
+
+    def _layers_fused(self, kern, x, positions, kv_caches, attn, meta, max_pos) -> None:
+        """All layers with the C++ fused ops (``backend.cpu_kernels``), updating ``x [T, H] float32`` in place.
+
+        Per layer: ``add_rms_norm`` (the previous MLP's residual add + RMSNorm + cast), QKV matmul,
+        ``rope_write_kv`` (RoPE on q and k in float32, K/V written to the cache; q stays float32 for
+        the attention), attention, O matmul, ``add_rms_norm`` (residual + norm), gate/up matmul,
+        ``silu_mul``, down matmul. Same math as the torch path; roundings to the compute dtype happen
+        at the same points except that ``silu(g) * u`` and the RoPE output are rounded once.
+        Measured: see ``LlamaModel`` (cpu_kernels).
+        """
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        nh, nkv = cfg.num_heads, cfg.num_kv_heads
+        T = x.shape[0]
+        bf16 = self.dtype == torch.bfloat16
+        cos, sin = self._rope_tables(max_pos)
+        slots = meta.slot_mapping
+        delta = None
+        for (ln1, qkv_w, o_w, ln2, gu_w, down_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = kern.add_rms_norm(x, delta, ln1, eps, bf16)
+            q = kern.rope_write_kv(qkv_w(h), positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
+            o = attn.forward(q, k_cache, v_cache, meta, self.scale)
+            h = kern.add_rms_norm(x, o_w(o.reshape(T, self.q_size)), ln2, eps, bf16)
+            delta = down_w(kern.silu_mul(gu_w(h)))
+        x += delta

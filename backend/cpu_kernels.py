@@ -1,9 +1,12 @@
-"""C++ paged decode attention for the CPU, built on first use with ``torch.utils.cpp_extension``.
+"""C++ CPU kernels, built on first use with ``torch.utils.cpp_extension``: paged decode attention and
+the llama layer's fused element-wise ops.
 
 ``paged_decode`` reads each decode sequence's keys and values in place from the block pool
 through its block table (the torch reference first gathers them into a dense copy), computes
 in float32 and runs one (sequence, KV head) pair per task on torch's intra-op thread pool. The
-source is ``cpu_decode.cpp`` beside this file; the compiled module is cached by torch under
+source is ``cpu_kernels.cpp`` beside this file; it also holds ``add_rms_norm`` (residual add +
+RMSNorm + cast), ``silu_mul`` (SwiGLU) and ``rope_write_kv`` (RoPE on q/k + K/V cache write), each
+replacing 3-10 small torch ops per layer (see ``backend.models.llama``); the compiled module is cached by torch under
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so only the first process on a
 machine pays the ~1 minute build.
 
@@ -26,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("cpu_decode.cpp")
+_SRC = Path(__file__).with_name("cpu_kernels.cpp")
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -40,7 +43,17 @@ def enabled() -> bool:
 
 
 def load():
-    """The compiled extension module (with ``paged_decode``), or None if unavailable; built once per process."""
+    """The compiled extension module, or None if unavailable; built once per process.
+
+    Its functions (all CPU tensors; errors are ``RuntimeError`` from ``TORCH_CHECK``):
+    ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)`` (see ``paged_decode`` below);
+    ``add_rms_norm(x [T, H] f32, delta [T, H] f32/bf16 | None, w [H] f32, eps, out_bf16) -> [T, H]``
+    (``x += delta`` in place, then ``w * x / sqrt(mean(x^2) + eps)``; HF ``LlamaRMSNorm``);
+    ``silu_mul(gu [N, 2I]) -> [N, I]`` (``silu(gate) * up``, float32 math, one rounding);
+    ``rope_write_kv(qkv [T, (nh + 2 nkv) hd], positions [T] i64, cos [P, rd] f32, sin [P, rd] f32,
+    k_cache, v_cache, slots [T] i64, nh, nkv) -> q [T, nh, hd] f32`` (HF rotate-half RoPE; rotated K
+    and V stored at ``slots``, negative slots skipped).
+    """
     global _module, _tried
     if _tried:
         return _module
@@ -54,9 +67,9 @@ def load():
             from torch.utils.cpp_extension import load_inline
 
             _module = load_inline(
-                name="llm_gateway_cpu_decode",
+                name="llm_gateway_cpu_kernels",
                 cpp_sources=[_SRC.read_text()],
-                functions=["paged_decode"],
+                functions=["paged_decode", "add_rms_norm", "silu_mul", "rope_write_kv"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"],
                 with_cuda=False,

@@ -1,0 +1,327 @@
+// Paged-KV decode attention for the CPU: one query token per sequence, K/V read in place from the
+// block pool (no gather copy), float32 math, one (sequence, KV head) pair per task over torch's
+// intra-op thread pool. Built at first use by backend/attention/cpu_decode.py (torch cpp_extension).
+//
+// Shapes: q [nd, nh, hd] float32; k_cache / v_cache [num_blocks, block_size, nkv, hd] (float32 or
+// bfloat16, contiguous); block_tables [>= nd, W] int32; seq_lens [>= nd] int32; out [nd, nh, hd] in
+// the cache dtype. Query head h reads KV head h / (nh / nkv) (grouped-query attention).
+// Source followed: vLLM PagedAttention (Kwon et al. 2023) semantics; two-pass softmax.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> inline void load_row(const T* src, float* dst, int64_t n);
+template <> inline void load_row<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <> inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_f32(src[d]);
+}
+
+template <typename T> inline void store_row(const float* src, T* dst, int64_t n, float mul);
+template <> inline void store_row<float>(const float* src, float* dst, int64_t n, float mul) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = src[d] * mul;
+}
+template <> inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n, float mul) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = f32_to_bf16(src[d] * mul);
+}
+
+// One task = one sequence and a contiguous range of its KV heads [h0, h1). With all heads in one
+// task, each token's K (then V) record of nkv * hd values is read front to back, and a block of
+// block_size tokens is one contiguous run of memory: DRAM-streaming friendly. (Per-head tasks read
+// 128 of every 384 bytes and measured 3 GB/s from DRAM; see docs/perf.md.)
+template <typename T>
+void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t L, T* out, int64_t nh,
+                int64_t nkv, int64_t hd, int64_t bs, int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
+  const int64_t g = nh / nkv, rows = (h1 - h0) * g, rec = nkv * hd;
+  buf.resize(rows * hd * 2 + hd + rows * L + rows);
+  float* qs = buf.data();               // [rows, hd] scaled queries
+  float* acc = qs + rows * hd;          // [rows, hd]
+  float* row = acc + rows * hd;         // [hd]
+  float* scores = row + hd;             // [rows, L]
+  float* denom = scores + rows * L;     // [rows]
+  for (int64_t i = 0; i < rows * hd; ++i) qs[i] = q[h0 * g * hd + i] * scale;
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t blk = table[t / bs];
+    if (t % bs == 0 && t + bs < L) __builtin_prefetch(kc + static_cast<int64_t>(table[t / bs + 1]) * bs * rec);
+    const T* krec = kc + (blk * bs + t % bs) * rec;
+    for (int64_t h = h0; h < h1; ++h) {
+      load_row<T>(krec + h * hd, row, hd);
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t r = (h - h0) * g + j;
+        const float* qj = qs + r * hd;
+        float sc = 0.f;
+#pragma omp simd reduction(+ : sc)
+        for (int64_t d = 0; d < hd; ++d) sc += qj[d] * row[d];
+        scores[r * L + t] = sc;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * L;
+    float m = -FLT_MAX;  // scores are finite: built with -ffast-math (vectorized expf from libmvec)
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < L; ++t) m = sr[t] > m ? sr[t] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      sr[t] = expf(sr[t] - m);
+      sum += sr[t];
+    }
+    denom[r] = sum;
+  }
+  std::fill(acc, acc + rows * hd, 0.f);
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t blk = table[t / bs];
+    if (t % bs == 0 && t + bs < L) __builtin_prefetch(vc + static_cast<int64_t>(table[t / bs + 1]) * bs * rec);
+    const T* vrec = vc + (blk * bs + t % bs) * rec;
+    for (int64_t h = h0; h < h1; ++h) {
+      load_row<T>(vrec + h * hd, row, hd);
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t r = (h - h0) * g + j;
+        const float p = scores[r * L + t];
+        float* ar = acc + r * hd;
+#pragma omp simd
+        for (int64_t d = 0; d < hd; ++d) ar[d] += p * row[d];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) store_row<T>(acc + r * hd, out + (h0 * g + r) * hd, hd, 1.f / denom[r]);
+}
+
+template <typename T>
+void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens, T* out,
+                 int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t W, float scale) {
+  // few sequences: split their KV heads over the threads; many: one whole sequence per task
+  const int64_t split = nd < 2 * at::get_num_threads() ? nkv : 1;
+  at::parallel_for(0, nd * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split, part = item % split;
+      const int64_t h0 = part * nkv / split, h1 = (part + 1) * nkv / split;
+      decode_seq<T>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [nd, nh, hd]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache/v_cache: contiguous [num_blocks, block_size, nkv, hd] of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables: contiguous int32 [B, W]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: contiguous int32 [B]");
+  const int64_t nd = q.size(0), nh = q.size(1), hd = q.size(2);
+  const int64_t nblocks = k_cache.size(0), bs = k_cache.size(1), nkv = k_cache.size(2), W = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == hd && nkv > 0 && nh % nkv == 0, "head_dim / head counts mismatch");
+  TORCH_CHECK(block_tables.size(0) >= nd && seq_lens.size(0) >= nd, "fewer block-table rows / lengths than queries");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < nd; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * bs, "sequence length outside its block table");
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(bt[b * W + i] >= 0 && bt[b * W + i] < nblocks, "block id outside the pool");
+  }
+  auto out = torch::empty({nd, nh, hd}, k_cache.options());
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, lens,
+                       out.data_ptr<float>(), nd, nh, nkv, hd, bs, W, static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "cache dtype must be float32 or bfloat16");
+    decode_impl<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                          reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), bt, lens,
+                          reinterpret_cast<uint16_t*>(out.data_ptr()), nd, nh, nkv, hd, bs, W, static_cast<float>(scale));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused per-layer element-wise ops of the llama decoder (one call instead of 5-10 torch ops each;
+// a decode step of a 135M model on 2 cores spends as much time dispatching small ops as in GEMMs).
+
+namespace {
+
+template <typename T> inline void store_vals(const float* src, T* dst, int64_t n);
+template <> inline void store_vals<float>(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+template <> inline void store_vals<uint16_t>(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+
+template <typename T> const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+template <typename T> T* mptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+template <typename TD, typename TO>
+void add_rms_norm_impl(float* x, const TD* delta, const float* w, TO* out, int64_t T, int64_t H, float eps) {
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(H), y(H);
+    for (int64_t t = b; t < e; ++t) {
+      float* xr = x + t * H;
+      if (delta) {
+        load_row<TD>(delta + t * H, tmp.data(), H);
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) xr[i] += tmp[i];
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (xr[i] * r);
+      store_vals<TO>(y.data(), out + t * H, H);
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t N, int64_t I) {
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> g(I), u(I);
+    for (int64_t t = b; t < e; ++t) {
+      load_row<T>(gu + t * 2 * I, g.data(), I);
+      load_row<T>(gu + t * 2 * I + I, u.data(), I);
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float z = g[i] < -80.f ? -80.f : g[i];
+        g[i] = z / (1.f + expf(-z)) * u[i];
+      }
+      store_vals<T>(g.data(), out + t * I, I);
+    }
+  });
+}
+
+// rotate-half RoPE (HF llama): y[i] = x[i] cos[i] - x[i+h] sin[i], y[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h]
+inline void rope_row(const float* x, const float* c, const float* s, float* y, int64_t hd, int64_t rd) {
+  const int64_t h = rd / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = x[i] * c[i] - x[i + h] * s[i];
+    y[i + h] = x[i + h] * c[i + h] + x[i] * s[i + h];
+  }
+  for (int64_t i = rd; i < hd; ++i) y[i] = x[i];
+}
+
+template <typename T>
+void rope_write_impl(const T* qkv, const int64_t* pos, const float* cos, const float* sin, T* kc, T* vc,
+                     const int64_t* slots, float* q_out, int64_t Tn, int64_t nh, int64_t nkv, int64_t hd, int64_t rd) {
+  const int64_t width = (nh + 2 * nkv) * hd;
+  at::parallel_for(0, Tn, 8, [&](int64_t b, int64_t e) {
+    std::vector<float> x(hd), y(hd);
+    for (int64_t t = b; t < e; ++t) {
+      const T* row = qkv + t * width;
+      const float* c = cos + pos[t] * rd;
+      const float* s = sin + pos[t] * rd;
+      for (int64_t h = 0; h < nh; ++h) {
+        load_row<T>(row + h * hd, x.data(), hd);
+        rope_row(x.data(), c, s, q_out + (t * nh + h) * hd, hd, rd);
+      }
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < nkv; ++h) {
+        load_row<T>(row + (nh + h) * hd, x.data(), hd);
+        rope_row(x.data(), c, s, y.data(), hd, rd);
+        store_vals<T>(y.data(), kc + (slot * nkv + h) * hd, hd);
+      }
+      std::memcpy(vc + slot * nkv * hd, row + (nh + nkv) * hd, nkv * hd * sizeof(T));
+    }
+  });
+}
+
+}  // namespace
+
+// x [T, H] float32 (updated in place: x += delta when delta is given); returns w * x / rms(x) in out_dtype.
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps,
+                           bool out_bf16) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [T, H]");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == x.size(1), "w: float32 [H]");
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = torch::empty({T, H}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  const float e = static_cast<float>(eps);
+  if (delta.has_value()) {
+    const auto& d = *delta;
+    TORCH_CHECK(d.sizes() == x.sizes() && d.is_contiguous() && (is_bf16(d) || d.scalar_type() == torch::kFloat32),
+                "delta: contiguous [T, H] float32/bfloat16");
+    if (is_bf16(d)) {
+      if (out_bf16) add_rms_norm_impl<uint16_t, uint16_t>(x.data_ptr<float>(), ptr<uint16_t>(d), w.data_ptr<float>(), mptr<uint16_t>(out), T, H, e);
+      else add_rms_norm_impl<uint16_t, float>(x.data_ptr<float>(), ptr<uint16_t>(d), w.data_ptr<float>(), out.data_ptr<float>(), T, H, e);
+    } else {
+      if (out_bf16) add_rms_norm_impl<float, uint16_t>(x.data_ptr<float>(), d.data_ptr<float>(), w.data_ptr<float>(), mptr<uint16_t>(out), T, H, e);
+      else add_rms_norm_impl<float, float>(x.data_ptr<float>(), d.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), T, H, e);
+    }
+  } else {
+    if (out_bf16) add_rms_norm_impl<float, uint16_t>(x.data_ptr<float>(), nullptr, w.data_ptr<float>(), mptr<uint16_t>(out), T, H, e);
+    else add_rms_norm_impl<float, float>(x.data_ptr<float>(), nullptr, w.data_ptr<float>(), out.data_ptr<float>(), T, H, e);
+  }
+  return out;
+}
+
+// gu [N, 2I] (gate | up), float32 or bfloat16 -> silu(gate) * up, [N, I] same dtype.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.is_contiguous() && (is_bf16(gu) || gu.scalar_type() == torch::kFloat32),
+              "gu: contiguous [N, 2I] float32/bfloat16");
+  const int64_t N = gu.size(0), I = gu.size(1) / 2;
+  auto out = torch::empty({N, I}, gu.options());
+  if (is_bf16(gu)) silu_mul_impl<uint16_t>(ptr<uint16_t>(gu), mptr<uint16_t>(out), N, I);
+  else silu_mul_impl<float>(gu.data_ptr<float>(), out.data_ptr<float>(), N, I);
+  return out;
+}
+
+// qkv [T, (nh + 2 nkv) hd] (cache dtype); rotates q and k heads at positions [T] with cos/sin [P, rd]
+// float32 tables, writes rotated k and v into the caches at slots [T] (slot < 0: skipped), returns
+// rotated q [T, nh, hd] float32.
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, int64_t nh, int64_t nkv) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k_cache/v_cache: contiguous [num_blocks, block_size, nkv, hd]");
+  const int64_t hd = k_cache.size(3), nslots = k_cache.size(0) * k_cache.size(1), Tn = qkv.size(0), rd = cos.size(1);
+  TORCH_CHECK(k_cache.size(2) == nkv && qkv.dim() == 2 && qkv.size(1) == (nh + 2 * nkv) * hd && qkv.is_contiguous() &&
+                  qkv.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "qkv: contiguous [T, (nh + 2 nkv) hd] in the cache dtype");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.numel() == Tn && slots.scalar_type() == torch::kInt64 &&
+                  slots.numel() == Tn && positions.is_contiguous() && slots.is_contiguous(), "positions/slots: int64 [T]");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous() &&
+                  rd % 2 == 0 && rd <= hd, "cos/sin: float32 [P, rope_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < Tn; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position outside the RoPE table");
+    TORCH_CHECK(sl[t] < nslots, "slot outside the KV pool");
+  }
+  auto q = torch::empty({Tn, nh, hd}, qkv.options().dtype(torch::kFloat32));
+  if (is_bf16(qkv)) {
+    rope_write_impl<uint16_t>(ptr<uint16_t>(qkv), pos, cos.data_ptr<float>(), sin.data_ptr<float>(), mptr<uint16_t>(k_cache),
+                              mptr<uint16_t>(v_cache), sl, q.data_ptr<float>(), Tn, nh, nkv, hd, rd);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == torch::kFloat32, "dtype must be float32 or bfloat16");
+    rope_write_impl<float>(qkv.data_ptr<float>(), pos, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<float>(),
+                           v_cache.data_ptr<float>(), sl, q.data_ptr<float>(), Tn, nh, nkv, hd, rd);
+  }
+  return q;
+}
