@@ -48,13 +48,22 @@ template <> inline void store_row<uint16_t>(const float* src, uint16_t* dst, int
   for (int64_t d = 0; d < n; ++d) dst[d] = f32_to_bf16(src[d] * mul);
 }
 
+// Software prefetch of one token record of the *next* block (blocks are scattered in the pool, so
+// the hardware streamer stops at each block's end; reading from DRAM was latency-bound without it).
+inline void prefetch_record(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 // One task = one sequence and a contiguous range of its KV heads [h0, h1). With all heads in one
 // task, each token's K (then V) record of nkv * hd values is read front to back, and a block of
 // block_size tokens is one contiguous run of memory: DRAM-streaming friendly. (Per-head tasks read
 // 128 of every 384 bytes and measured 3 GB/s from DRAM; see docs/perf.md.)
-template <typename T>
+// HD > 0: head_dim known at compile time (constant trip counts: fully vectorized inner loops).
+template <typename T, int HD>
 void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t L, T* out, int64_t nh,
-                int64_t nkv, int64_t hd, int64_t bs, int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
+                int64_t nkv, int64_t hd_rt, int64_t bs, int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
   const int64_t g = nh / nkv, rows = (h1 - h0) * g, rec = nkv * hd;
   buf.resize(rows * hd * 2 + hd + rows * L + rows);
   float* qs = buf.data();               // [rows, hd] scaled queries
@@ -65,7 +74,7 @@ void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, 
   for (int64_t i = 0; i < rows * hd; ++i) qs[i] = q[h0 * g * hd + i] * scale;
   for (int64_t t = 0; t < L; ++t) {
     const int64_t blk = table[t / bs];
-    if (t % bs == 0 && t + bs < L) __builtin_prefetch(kc + static_cast<int64_t>(table[t / bs + 1]) * bs * rec);
+    if (t + bs < L) prefetch_record(kc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec, rec * sizeof(T));
     const T* krec = kc + (blk * bs + t % bs) * rec;
     for (int64_t h = h0; h < h1; ++h) {
       load_row<T>(krec + h * hd, row, hd);
@@ -95,7 +104,7 @@ void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, 
   std::fill(acc, acc + rows * hd, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const int64_t blk = table[t / bs];
-    if (t % bs == 0 && t + bs < L) __builtin_prefetch(vc + static_cast<int64_t>(table[t / bs + 1]) * bs * rec);
+    if (t + bs < L) prefetch_record(vc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec, rec * sizeof(T));
     const T* vrec = vc + (blk * bs + t % bs) * rec;
     for (int64_t h = h0; h < h1; ++h) {
       load_row<T>(vrec + h * hd, row, hd);
@@ -111,6 +120,81 @@ void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, 
   for (int64_t r = 0; r < rows; ++r) store_row<T>(acc + r * hd, out + (h0 * g + r) * hd, hd, 1.f / denom[r]);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// AVX-512 path for head_dim 64: per KV head (outer) and token (inner), q rows and output accumulators
+// stay in registers (g <= 4 query heads per KV head: 16 + 16 zmm).
+template <typename T, int G>
+void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t L, T* out, int64_t nh,
+                       int64_t nkv, int64_t bs, int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
+  constexpr int HD = 64;
+  const int64_t rec = nkv * HD;
+  buf.resize(G * L + 16);
+  float* scores = buf.data();
+  for (int64_t h = h0; h < h1; ++h) {
+    __m512 qv[G][4];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < 4; ++c) qv[j][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + j) * HD + 16 * c), _mm512_set1_ps(scale));
+    float m[G];
+    for (int j = 0; j < G; ++j) m[j] = -FLT_MAX;
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t blk = table[t / bs];
+      if (t + bs < L && (t & 3) == 0) __builtin_prefetch(kc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec + h * HD);
+      const T* kp = kc + (blk * bs + t % bs) * rec + h * HD;
+      const __m512 k0 = load16(kp), k1 = load16(kp + 16), k2 = load16(kp + 32), k3 = load16(kp + 48);
+      for (int j = 0; j < G; ++j) {
+        __m512 a = _mm512_mul_ps(qv[j][0], k0);
+        a = _mm512_fmadd_ps(qv[j][1], k1, a);
+        a = _mm512_fmadd_ps(qv[j][2], k2, a);
+        a = _mm512_fmadd_ps(qv[j][3], k3, a);
+        const float sc = _mm512_reduce_add_ps(a);
+        scores[j * L + t] = sc;
+        m[j] = sc > m[j] ? sc : m[j];
+      }
+    }
+    float inv[G];
+    for (int j = 0; j < G; ++j) {
+      float* sj = scores + j * L;
+      const float mj = m[j];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < L; ++t) {
+        sj[t] = expf(sj[t] - mj);
+        sum += sj[t];
+      }
+      inv[j] = 1.f / sum;
+    }
+    __m512 acc[G][4];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t blk = table[t / bs];
+      if (t + bs < L && (t & 3) == 0) __builtin_prefetch(vc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec + h * HD);
+      const T* vp = vc + (blk * bs + t % bs) * rec + h * HD;
+      const __m512 v0 = load16(vp), v1 = load16(vp + 16), v2 = load16(vp + 32), v3 = load16(vp + 48);
+      for (int j = 0; j < G; ++j) {
+        const __m512 p = _mm512_set1_ps(scores[j * L + t]);
+        acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+        acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+        acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+        acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      alignas(64) float tmp[HD];
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+      store_row<T>(tmp, out + (h * G + j) * HD, HD, 1.f);
+    }
+  }
+}
+#define HAVE_AVX512_DECODE 1
+#endif
+
 template <typename T>
 void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens, T* out,
                  int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t W, float scale) {
@@ -121,7 +205,21 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, co
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / split, part = item % split;
       const int64_t h0 = part * nkv / split, h1 = (part + 1) * nkv / split;
-      decode_seq<T>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+#ifdef HAVE_AVX512_DECODE
+      if (hd == 64 && nh / nkv == 3)
+        decode_seq_avx512<T, 3>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
+      else if (hd == 64 && nh / nkv == 4)
+        decode_seq_avx512<T, 4>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
+      else if (hd == 64 && nh / nkv == 1)
+        decode_seq_avx512<T, 1>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
+      else
+#endif
+      if (hd == 64)
+        decode_seq<T, 64>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+      else if (hd == 128)
+        decode_seq<T, 128>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+      else
+        decode_seq<T, 0>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
     }
   });
 }

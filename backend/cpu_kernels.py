@@ -70,7 +70,7 @@ def load():
                 name="llm_gateway_cpu_kernels",
                 cpp_sources=[_SRC.read_text()],
                 functions=["paged_decode", "add_rms_norm", "silu_mul", "rope_write_kv"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"],
                 with_cuda=False,
                 verbose=False,

@@ -88,8 +88,7 @@ class TorchAttention:
         """
         plan = _plan(meta, query.device)
         nd = meta.num_decodes
-        if (nd and self._cpu_kernel is not None and query.device.type == "cpu"
-                and (nd <= self.CPU_KERNEL_MAX_DECODES or k_cache.dtype == torch.float32)):
+        if nd and self._cpu_kernel is not None and query.device.type == "cpu":
             dec = self._cpu_kernel.paged_decode(
                 query[:nd].float().contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, float(scale)
             )
@@ -123,11 +122,9 @@ class TorchAttention:
             out[row : row + n] = o.transpose(0, 1)
         return out
 
-    #: the C++ decode kernel serves float32 caches always and bf16 caches up to this many decode
-    #: sequences. Measured, 30 layers x 256 keys from DRAM on the 2-core VM, torch vs C++: bf16 1 seq
-    #: 3.3 vs 1.6 ms, 8: 9.6 vs 6.9, 16: 14.9 vs 13.5, 32: 29.9 vs 31.2; float32 32: 53.6 vs 37.7, 64:
-    #: 126.9 vs 80.2
-    CPU_KERNEL_MAX_DECODES = 16
+    # With the C++ kernel (``backend.cpu_kernels``, AVX-512 for head_dim 64) all CPU decodes go there.
+    # Measured, 30 layers x 256 keys from DRAM on the 2-core VM, bf16, torch vs C++: 1 sequence
+    # 3.0 vs 0.34 ms, 8: 12.1 vs 4.4, 32: 29.8 vs 15.7 (docs/perf.md).
 
     #: bf16/fp16 decode batches of at most this many sequences use float32 SDPA (see ``_decode``)
     DECODE_FP32_MAX_SEQS = 2
