@@ -225,8 +225,13 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, submit: Submit, owner: Hashable = None) -> RequestError | None:
-        """Validate and queue a request. Returns the ``RequestError`` when it is refused."""
+    def add_request(self, submit: Submit, owner: Hashable = None, received_at: float | None = None) -> RequestError | None:
+        """Validate and queue a request. Returns the ``RequestError`` when it is refused.
+
+        ``received_at``: ``time.monotonic()`` when the process received the Submit (the server's reader
+        thread); default now. Queue time and TTFT count from it, so a Submit that waited in the inbox
+        for a running step to end is charged to the backend, not to the gateway.
+        """
         error = self.validate(submit)
         if error is not None:
             return error
@@ -235,6 +240,8 @@ class Engine:
         states = [ChoiceState(p, i, submit.prompt_ids, self.vocab_size, eos) for i in range(p.n)]
         stop_set = frozenset(eos) | frozenset(p.stop_token_ids)
         req = EngineRequest(submit, owner, states, stop_set)
+        if received_at is not None:
+            req.arrival = min(received_at, req.arrival)
         seq = Sequence(
             submit.prompt_ids,
             cache_salt=submit.cache_salt,

@@ -90,14 +90,14 @@ class Connection:
                 while True:
                     try:
                         for msg in dec.feed(data):
-                            self.inbox.put(("msg", self, msg))
+                            self.inbox.put(("msg", self, (msg, time.monotonic())))
                         break
                     except P.FrameTooLarge as exc:
                         self.inbox.put(("fatal", self, str(exc)))
                         return
                     except P.ProtocolError as exc:
                         for msg in getattr(exc, "decoded", []):
-                            self.inbox.put(("msg", self, msg))
+                            self.inbox.put(("msg", self, (msg, time.monotonic())))
                         rid = getattr(exc, "request_id", None)
                         if rid is None:
                             self.inbox.put(("fatal", self, f"undecodable message: {exc}"))
@@ -273,7 +273,7 @@ class Server:
             else:
                 self._fatal(conn, "expected Hello first")
             return
-        msg = payload
+        msg, received = payload  # received: monotonic time the reader thread decoded it
         if not conn.greeted:
             if isinstance(msg, P.Hello) and msg.version == P.PROTOCOL_VERSION:
                 conn.greeted = True
@@ -294,7 +294,7 @@ class Server:
             return
         if isinstance(msg, P.Submit):
             try:
-                err = eng.add_request(msg, owner=conn)
+                err = eng.add_request(msg, owner=conn, received_at=received)
             except Exception as exc:  # never let one bad submit kill the loop
                 traceback.print_exc(file=sys.stderr)
                 err = P.RequestError(request_id=msg.request_id, code="internal_error", message=str(exc))
