@@ -278,6 +278,25 @@ class Engine:
             outs.append(self._final(req, i, "abort", now))
         return outs
 
+    def abort_choice(self, request_id: str, index: int) -> list[RequestOutput]:
+        """Stop one choice of a request and free its blocks; the request's other choices go on.
+
+        Returns the choice's final ``finish_reason="abort"`` output, or [] when there is nothing to stop:
+        unknown request, index out of range, choice already ended, or the choice is the parent sequence
+        still computing the prompt that its not-yet-forked siblings share (stopping it would stop them).
+        A choice not forked yet is marked ended, and is then never forked.
+        """
+        req = self.requests.get(request_id)
+        if req is None or not 0 <= index < len(req.done) or req.done[index]:
+            return []
+        seq = req.seqs[index]
+        if seq is not None and seq.pending_forks:
+            return []
+        now = time.monotonic()
+        out = self._final(req, index, "abort", now)
+        self._finish_choice(req, index)
+        return [out]
+
     def abort_owner(self, owner: Hashable) -> int:
         """Abort every request of ``owner`` (a closed connection). Returns how many."""
         ids = [rid for rid, r in self.requests.items() if r.owner == owner]
@@ -419,7 +438,7 @@ class Engine:
                 req: EngineRequest = seq.request
                 if seq.pending_forks and seq.num_generated == 0:
                     for i in range(len(req.seqs)):
-                        if req.seqs[i] is None or i == seq.index:
+                        if (req.seqs[i] is None and not req.done[i]) or i == seq.index:
                             rows.append(r)
                             targets.append((seq, i))
                 else:
@@ -455,6 +474,9 @@ class Engine:
                 forked.setdefault(seq.seq_id, [seq]).append(child)
         for parent, *children in forked.values():
             self.scheduler.fork(parent, children)
+        for seq, _ in targets:  # a parent whose not-yet-forked siblings were all aborted: free their slots
+            if seq.pending_forks and seq.seq_id not in forked:
+                self.scheduler.fork(seq, [])
 
         now = time.monotonic()
         for (seq, i), tok, lp in zip(targets, tokens, lps):

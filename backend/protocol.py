@@ -144,9 +144,15 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
-    """Stop a request and free everything it holds; unknown ids are ignored."""
+    """Stop a request and free everything it holds; unknown ids are ignored.
+
+    ``index``: stop only that choice of an ``n > 1`` request (e.g. the gateway matched a stop string in
+    it) and free its blocks; the other choices go on. ``None``: the whole request. A choice that has
+    already ended, or one that is still computing the prompt shared by all choices, is left alone.
+    """
 
     request_id: str
+    index: int | None = None
 
 
 class GetStats(msgspec.Struct, tag="get_stats", kw_only=True):

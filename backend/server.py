@@ -302,7 +302,10 @@ class Server:
                 conn.send(err)
         elif isinstance(msg, P.Abort):
             if eng.owner_of(msg.request_id) is conn:
-                outs = eng.abort_request(msg.request_id)
+                if msg.index is None:
+                    outs = eng.abort_request(msg.request_id)
+                else:
+                    outs = eng.abort_choice(msg.request_id, msg.index)
                 if outs:
                     conn.send(P.StepOutputs(outputs=outs, step=eng.num_steps))
         elif isinstance(msg, P.GetStats):

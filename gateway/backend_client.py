@@ -190,6 +190,12 @@ class RequestHandle:
         self.error = error
         self._send.close()
 
+    def abort_choice(self, index: int) -> None:
+        """Ask the backend to stop choice ``index`` only (``Abort(index=...)``) while the others go on; its
+        final "abort" output still arrives and is counted. Synchronous, never raises."""
+        if not self.done:
+            self._client.abort_choice(self.request_id, index)
+
     def close(self) -> None:
         """Stop consuming. If the backend is still producing, send ``Abort`` (synchronous, never blocks)."""
         if not self.done:
@@ -299,6 +305,15 @@ class BackendClient:
         try:
             self._mail_send.send_nowait(Abort(request_id=request_id))
             self.aborts_sent += 1
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """Queue ``Abort(request_id, index)``: stop one choice of an n > 1 request. Never raises."""
+        if not self.alive or request_id not in self._pending:
+            return
+        try:
+            self._mail_send.send_nowait(Abort(request_id=request_id, index=index))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 

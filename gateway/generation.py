@@ -187,6 +187,8 @@ class Generation:
             self.cached_tokens = max(self.cached_tokens, out.usage.cached_tokens)
         if out.timings is not None:
             st.timings = out.timings
+        if fin is not None and out.finish_reason is None:
+            self._stop_backend_choice(st)  # a stop string ended it; the backend would go on decoding it
         if st.of is None:
             if text:
                 st.parts.append(text)
@@ -206,6 +208,14 @@ class Generation:
             self.t_first = time.perf_counter()
         return st, text, lps, fin
 
+    def _stop_backend_choice(self, st: ChoiceState) -> None:
+        """For n > 1: the gateway ended choice ``st`` (stop string, content filter) while the backend still
+        decodes it; stop that choice there so it frees its KV blocks (n == 1: closing the handle aborts the
+        whole request as soon as the response ends)."""
+        h = getattr(self, "_handle", None)
+        if self.n > 1 and h is not None and st.finish is None:
+            h.abort_choice(st.index)
+
     async def filt(self, st: ChoiceState, text: str, fin: str | None) -> tuple[str, str | None]:
         """Pass a choice's text through its output filter (content filters, Azure semantics): returns the
         text safe to send now and the finish reason ("content_filter" when the filter cut the output)."""
@@ -215,6 +225,7 @@ class Generation:
         safe = await of.step(text, fin is not None)
         if of.cut:
             fin = "content_filter"
+            self._stop_backend_choice(st)
         if safe:
             st.parts.append(safe)
         if fin is not None:

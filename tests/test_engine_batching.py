@@ -196,3 +196,50 @@ def test_c28_long_prompt_does_not_stall_stream_or_short_request(runner, prompts)
     while eng.has_work():
         eng.step()
     assert eng.stats().kv_blocks_used == 0
+
+
+def test_abort_one_choice_frees_it_and_others_go_on(runner, prompts):
+    """Abort(index=i) of an n > 1 request (the gateway matched a stop string in choice i): that choice ends
+    with "abort" and gives back its blocks and slot; the other choices decode to max_tokens with the tokens
+    they would have produced anyway. A choice aborted before the fork is never forked."""
+    p = prompts[2]
+    sp = SamplingParams(n=3, temperature=0.8, max_tokens=24, seed=11, ignore_eos=True)
+    (ref,) = run(Engine(runner), [(p, sp, "")])
+
+    eng = Engine(runner)
+    assert eng.add_request(Submit(request_id="a", prompt_ids=p, sampling=sp)) is None
+    outs = []
+    while not eng.scheduler.running or eng.scheduler.running[0].num_generated < 3:
+        outs += eng.step()
+    assert sum(s.request.request_id == "a" for s in eng.scheduler.running) == 3
+    used_before = eng.stats().kv_blocks_used
+    (fin,) = eng.abort_choice("a", 1)
+    outs.append((None, fin))
+    assert fin.finish_reason == "abort" and fin.index == 1
+    assert eng.abort_choice("a", 1) == [] and eng.abort_choice("a", 7) == [] and eng.abort_choice("zz", 0) == []
+    assert sum(s.request.request_id == "a" for s in eng.scheduler.running) == 2
+    assert eng.stats().kv_blocks_used < used_before  # choice 1's own (unshared) block went back
+    eng.scheduler.check_invariants()
+    while eng.has_work():
+        outs += eng.step()
+    got = {i: [t for _, m in outs if m.index == i for t in m.new_token_ids] for i in range(3)}
+    assert got[0] == collect_tokens(ref, 0) and got[2] == collect_tokens(ref, 2)
+    assert 3 <= len(got[1]) < 24 and got[1] == collect_tokens(ref, 1)[: len(got[1])]
+    st = eng.stats()
+    assert st.kv_blocks_used == 0 and st.running == 0 and not eng.requests
+
+    # before the fork: choices 1 and 2 end at once and are never forked; choice 0 (the parent computing
+    # the shared prompt) cannot be stopped alone
+    eng = Engine(runner)
+    assert eng.add_request(Submit(request_id="b", prompt_ids=p, sampling=sp)) is None
+    assert eng.abort_choice("b", 1)[0].finish_reason == "abort"
+    assert eng.abort_choice("b", 2)[0].finish_reason == "abort"
+    assert eng.abort_choice("b", 0) == []
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+        eng.scheduler.check_invariants()
+        assert sum(s.request.request_id == "b" for s in eng.scheduler.running) <= 1
+    assert [t for _, m in outs if m.index == 0 for t in m.new_token_ids] == collect_tokens(ref, 0)
+    assert not [m for _, m in outs if m.index != 0]
+    assert eng.stats().kv_blocks_used == 0 and not eng.requests
