@@ -137,11 +137,12 @@ def test_cpu_kernel_rejects_bad_tables(cpu_kernel) -> None:
 CONFIGS = [(32, 8, 64), (32, 4, 64), (4, 4, 64), (8, 4, 32), (6, 2, 80), (8, 2, 128)]
 
 #: cache dtype, query dtype, max abs error: the query is float32 over a bf16 cache in the model's fused
-#: CPU path
+#: CPU path; a float16 cache (allowed on CPU) is not one the C++ kernel reads: the torch path serves it
 MODES = {
     "fp32": (torch.float32, torch.float32, 2e-5),
     "bf16": (torch.bfloat16, torch.bfloat16, 4e-2),
     "bf16_q_fp32": (torch.bfloat16, torch.float32, 4e-2),
+    "fp16": (torch.float16, torch.float16, 1e-2),
 }
 
 
@@ -165,7 +166,7 @@ def check_batch(seqs, nh, nkv, hd, bs, mode, attn, seed=0):
     meta, tables = build(seqs, num_blocks, rng, bs)
     full_k = [torch.randn(c + n, nkv, hd, generator=gen).to(cache_dt) for c, n in seqs]
     full_v = [torch.randn(c + n, nkv, hd, generator=gen).to(cache_dt) for c, n in seqs]
-    if attn._cpu_kernel is not None:
+    if attn._cpu_kernel is not None and cache_dt != torch.float16:
         # NaN in every slot but the sequences' keys: any read outside them (another block, past the
         # length) shows up. The torch decode path gathers whole blocks and masks the padding, so it
         # gets stale-looking random values there instead.
@@ -224,6 +225,15 @@ def test_block_sizes(nh, nkv, hd, bs, kernel, request) -> None:
     attn = make_attn(kernel, request)
     for i, seqs in enumerate(batches_for(bs)):
         check_batch(seqs, nh, nkv, hd, bs, "bf16_q_fp32", attn, seed=i)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
+def test_fp16_cache(kernel, request) -> None:
+    """A float16 KV cache (``--dtype float16`` on CPU): with the C++ kernel loaded, decodes take the
+    torch path (the kernel reads float32/bf16 only; it raised on every decode step before)."""
+    attn = make_attn(kernel, request)
+    for i, seqs in enumerate(batches_for(16)):
+        check_batch(seqs, 32, 4, 64, 16, "fp16", attn, seed=i)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "cpp"])

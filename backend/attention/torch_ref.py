@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from backend.attention.base import AttentionMetadata
 
 
+#: cache dtypes the C++ decode kernel reads (a float16 cache, allowed on CPU, takes the torch path)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _valid_slots(meta: AttentionMetadata) -> bool:
     """True when no slot is negative (computed once per step; cached on the metadata object)."""
     v = getattr(meta, "_torch_ref_all_valid", None)
@@ -88,7 +92,7 @@ class TorchAttention:
         """
         plan = _plan(meta, query.device)
         nd = meta.num_decodes
-        if nd and self._cpu_kernel is not None and query.device.type == "cpu":
+        if nd and self._cpu_kernel is not None and query.device.type == "cpu" and k_cache.dtype in _KERNEL_DTYPES:
             dec = self._cpu_kernel.paged_decode(
                 query[:nd].float().contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, float(scale)
             )
