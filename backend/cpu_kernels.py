@@ -8,7 +8,11 @@ source is ``cpu_kernels.cpp`` beside this file; it also holds ``add_rms_norm`` (
 RMSNorm + cast), ``silu_mul`` (SwiGLU) and ``rope_write_kv`` (RoPE on q/k + K/V cache write), each
 replacing 3-10 small torch ops per layer (see ``backend.models.llama``); the compiled module is cached by torch under
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so only the first process on a
-machine pays the ~1 minute build.
+machine pays the ~1 minute build. The module name carries a hash of what the binary depends on
+besides the source (``_build_tag``: torch build and location, compiler flags, the CPU's ISA flags
+for ``-march=native``), so two environments sharing that cache each keep their own build (one name
+for all was rebuilt ~30 s at every switch) and a cache carried to a CPU without AVX-512 is never
+loaded there (``SIGILL``).
 
 ``load()`` returns None (callers keep the torch path) when the build fails (no C++ compiler or
 ninja), off Linux x86-64, or when ``LLM_GATEWAY_CPU_KERNEL=0`` is set.
@@ -19,6 +23,7 @@ Source followed: vLLM PagedAttention semantics (https://arxiv.org/abs/2309.06180
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -33,6 +38,26 @@ _SRC = Path(__file__).with_name("cpu_kernels.cpp")
 _lock = threading.Lock()
 _module = None
 _tried = False
+
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"]
+
+
+def _cpu_isa_flags() -> str:
+    """The first ``flags`` line of ``/proc/cpuinfo`` (what ``-march=native`` compiles for); else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[-1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_tag() -> str:
+    """Short hash of the build's inputs other than the source (ninja already rebuilds on a source change)."""
+    key = "\n".join([torch.__version__, os.path.dirname(torch.__file__), " ".join(_CFLAGS), _cpu_isa_flags()])
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def enabled() -> bool:
@@ -58,27 +83,35 @@ def load():
     if _tried:
         return _module
     with _lock:
-        if _tried:
+        if _tried:  # another thread built it while this one waited
             return _module
-        _tried = True
-        if not enabled():
-            return None
         try:
-            from torch.utils.cpp_extension import load_inline
-
-            _module = load_inline(
-                name="llm_gateway_cpu_kernels",
-                cpp_sources=[_SRC.read_text()],
-                functions=["paged_decode", "add_rms_norm", "silu_mul", "rope_write_kv"],
-                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"],
-                extra_ldflags=["-fopenmp"],
-                with_cuda=False,
-                verbose=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-            log.warning("CPU decode kernel unavailable, using the torch reference: %s", exc)
-            _module = None
+            if enabled():
+                _module = _build()
+        finally:
+            # set only once the build is over: a concurrent caller waits on the lock instead of
+            # seeing ``_tried`` with no module yet and falling back to the torch path for good
+            _tried = True
     return _module
+
+
+def _build():
+    """Build (or find in torch's cache) and import the extension; None on any failure (logged)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name=f"llm_gateway_cpu_kernels_{_build_tag()}",
+            cpp_sources=[_SRC.read_text()],
+            functions=["paged_decode", "add_rms_norm", "silu_mul", "rope_write_kv"],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            with_cuda=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        log.warning("CPU decode kernel unavailable, using the torch reference: %s", exc)
+        return None
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -270,6 +270,35 @@ def test_kernel_disabled_by_env_falls_back(monkeypatch) -> None:
     check_batch(batches_for(16)[0], 32, 8, 64, 16, "bf16", attn)
 
 
+def test_load_waits_for_a_build_in_progress(monkeypatch) -> None:
+    """A second thread calling ``load()`` during the first one's build gets the module, not None."""
+    import threading
+    import time
+
+    from backend import cpu_kernels
+
+    built = []
+    started = threading.Event()
+
+    def slow_build():
+        built.append(1)
+        started.set()
+        time.sleep(0.3)
+        return "module"
+
+    monkeypatch.setattr(cpu_kernels, "enabled", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "_build", slow_build)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    got = []
+    first = threading.Thread(target=lambda: got.append(cpu_kernels.load()))
+    first.start()
+    assert started.wait(10)
+    got.append(cpu_kernels.load())  # the build is in progress in `first`
+    first.join()
+    assert got == ["module", "module"] and len(built) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # The fused element-wise ops of the llama layer against their torch formulas.
 
