@@ -7,6 +7,9 @@
 // the cache dtype. Query head h reads KV head h / (nh / nkv) (grouped-query attention).
 // Source followed: vLLM PagedAttention (Kwon et al. 2023) semantics; two-pass softmax.
 #include <torch/extension.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 #include <cfloat>
 #include <cmath>
@@ -121,7 +124,6 @@ void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, 
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -228,6 +230,8 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, co
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
+                  seq_lens.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [nd, nh, hd]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -247,6 +251,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       TORCH_CHECK(bt[b * W + i] >= 0 && bt[b * W + i] < nblocks, "block id outside the pool");
   }
   auto out = torch::empty({nd, nh, hd}, k_cache.options());
+  pybind11::gil_scoped_release no_gil;  // the backend's socket reader/writer threads run meanwhile
   if (k_cache.scalar_type() == torch::kFloat32) {
     decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, lens,
                        out.data_ptr<float>(), nd, nh, nkv, hd, bs, W, static_cast<float>(scale));
@@ -357,10 +362,13 @@ void rope_write_impl(const T* qkv, const int64_t* pos, const float* cos, const f
 // x [T, H] float32 (updated in place: x += delta when delta is given); returns w * x / rms(x) in out_dtype.
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps,
                            bool out_bf16) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && (!delta.has_value() || delta->device().is_cpu()),
+              "add_rms_norm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [T, H]");
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == x.size(1), "w: float32 [H]");
   const int64_t T = x.size(0), H = x.size(1);
   auto out = torch::empty({T, H}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  pybind11::gil_scoped_release no_gil;  // the backend's socket reader/writer threads run meanwhile
   const float e = static_cast<float>(eps);
   if (delta.has_value()) {
     const auto& d = *delta;
@@ -382,10 +390,12 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
 
 // gu [N, 2I] (gate | up), float32 or bfloat16 -> silu(gate) * up, [N, I] same dtype.
 torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.device().is_cpu(), "silu_mul: CPU tensors only");
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.is_contiguous() && (is_bf16(gu) || gu.scalar_type() == torch::kFloat32),
               "gu: contiguous [N, 2I] float32/bfloat16");
   const int64_t N = gu.size(0), I = gu.size(1) / 2;
   auto out = torch::empty({N, I}, gu.options());
+  pybind11::gil_scoped_release no_gil;  // the backend's socket reader/writer threads run meanwhile
   if (is_bf16(gu)) silu_mul_impl<uint16_t>(ptr<uint16_t>(gu), mptr<uint16_t>(out), N, I);
   else silu_mul_impl<float>(gu.data_ptr<float>(), out.data_ptr<float>(), N, I);
   return out;
@@ -396,6 +406,9 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // rotated q [T, nh, hd] float32.
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, int64_t nh, int64_t nkv) {
+  TORCH_CHECK(qkv.device().is_cpu() && positions.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu() &&
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu() && slots.device().is_cpu(),
+              "rope_write_kv: CPU tensors only");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k_cache/v_cache: contiguous [num_blocks, block_size, nkv, hd]");
   const int64_t hd = k_cache.size(3), nslots = k_cache.size(0) * k_cache.size(1), Tn = qkv.size(0), rd = cos.size(1);
@@ -413,6 +426,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
     TORCH_CHECK(sl[t] < nslots, "slot outside the KV pool");
   }
   auto q = torch::empty({Tn, nh, hd}, qkv.options().dtype(torch::kFloat32));
+  pybind11::gil_scoped_release no_gil;  // the backend's socket reader/writer threads run meanwhile
   if (is_bf16(qkv)) {
     rope_write_impl<uint16_t>(ptr<uint16_t>(qkv), pos, cos.data_ptr<float>(), sin.data_ptr<float>(), mptr<uint16_t>(k_cache),
                               mptr<uint16_t>(v_cache), sl, q.data_ptr<float>(), Tn, nh, nkv, hd, rd);

@@ -160,8 +160,8 @@ def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
 class Linear:
     """``y = x @ W.T`` with ``W [N, K]``: oneDNN-prepacked on CPU, optionally packed int4 for few rows.
 
-    Dense weights are kept as ``W`` ``[N, K]`` in the compute dtype and, on CPU, as a oneDNN
-    prepacked copy (``onednn_pack``; used for every row count when available). With ``q4``
+    Dense weights are kept as ``W`` ``[N, K]`` in the compute dtype or, on CPU, only as a oneDNN
+    prepacked copy (``onednn_pack``; used for every row count; ``W`` is then dropped). With ``q4``
     (``codes [N, K] uint8, scale [N, K/32], zero [N, K/32]``) on CPU, inputs of at most
     ``int4_max_rows`` rows use ``torch.ops.aten._weight_int4pack_mm_for_cpu`` instead (reads 4 bits
     per weight; the same matmul against the same dequantized weights up to float rounding; off by
@@ -175,12 +175,14 @@ class Linear:
         self.w = w.to(device=device, dtype=dtype).contiguous()
         self.onednn = onednn_pack(self.w) if prepack else None
         self.w8 = self.w8_scale = None
-        if int8_small and int4_max_rows > 0 and dtype == torch.bfloat16 and self.w.device.type == "cpu":
+        if int8_small and int4_max_rows > 0 and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             # per-row symmetric int8 (for the LM head, whose GGUF type is not 4-bit): half the bytes of bf16
             wf = w.to(torch.float32)
             scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
             self.w8 = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
             self.w8_scale = scale.to(dtype)
+        if self.onednn is not None:
+            self.w = None  # the packed copy is all the matmul needs: do not keep the weight twice
         self.packed = self.sz = None
         self.group = 32
         self.int4_max_rows = int4_max_rows
