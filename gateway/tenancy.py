@@ -319,6 +319,7 @@ class Tenancy:
         self._admin_digest = hash_key(admin_key) if admin_key else None
         self.cache_ttl_s = cache_ttl_s
         self.create_default = create_default
+        self.store_timeout_s = 5.0  # seconds one shared-store (Redis) round-trip may take before a 503
         self.store = AsyncStore(db_path)
         if redis_url:
             from ratelimit.redis_limiter import RedisLimiter
@@ -513,10 +514,11 @@ class Tenancy:
             if self.limiter.shared:
                 try:
                     with trio.CancelScope(shield=True):
-                        with trio.fail_after(5):
+                        with trio.fail_after(self.store_timeout_s):
                             outcome = await self.limiter.acquire(dims, member)
                 except (OSError, RedisError, trio.TooSlowError) as e:
                     log.error("tenancy: rate-limit store unavailable: %s", type(e).__name__)
+                    await self._undo_acquire(dims, member)
                     raise ServiceUnavailable("The rate limiter is unavailable; try again shortly.",
                                              code="rate_limiter_unavailable", headers={"retry-after": "1"}) from None
             else:
@@ -525,6 +527,21 @@ class Tenancy:
                 raise self._rate_limited(principal, outcome.results, tokens)
             results = outcome.results
         return Reservation(self, principal, dims, member, prompt_tokens, max_tokens, model, request_id, results)
+
+    async def _undo_acquire(self, dims, member: str) -> None:
+        """The shared store's reply to an acquire never came (timeout, dropped connection), so the script may
+        have reserved everything anyway: take it back if it did (``RedisLimiter.undo`` checks the acquire's
+        marker, so it never refunds what was not taken). Shielded and bounded (5 s); failures are logged."""
+        undo = getattr(self.limiter, "undo", None)
+        if undo is None:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(max(5.0, self.store_timeout_s)):
+            try:
+                if await undo(dims, member):
+                    log.warning("tenancy: took back a reservation whose reply was lost")
+            except (OSError, RedisError) as e:
+                log.error("tenancy: could not take back a possibly-made reservation: %s (it expires with "
+                          "its window / lease)", type(e).__name__)
 
     def admit(self, principal: Principal, *, prompt_tokens: int, max_tokens: int, model: str | None = None,
               request_id: str | None = None) -> _Admit:

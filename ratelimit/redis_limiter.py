@@ -23,9 +23,15 @@ local lease = tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local n = #KEYS
+-- optional marker key (after the dims' arguments): set by a successful acquire, deleted by release; 'undo'
+-- releases only if it exists, so taking back an acquire that may or may not have run never over-refunds
+local marker = ARGV[3 + n * 6 + 1]
+local allok = 1
+if mode == 'undo' then  -- the reply's first field says whether it released (1) or found nothing (0)
+  if marker and redis.call('EXISTS', marker) == 1 then mode = 'release' else mode = 'noop'; allok = 0 end
+end
 local st = {}
 local res = {}
-local allok = 1
 local function fmt(x) return string.format('%.6f', x) end
 for i = 1, n do
   local b = 3 + (i - 1) * 6
@@ -66,6 +72,7 @@ for i = 1, n do
   res[i] = {ok, remaining, reset, retry}
 end
 if mode == 'acquire' and allok == 1 then
+  if marker then redis.call('SET', marker, '1', 'PX', math.ceil(lease * 1000)) end
   for i = 1, n do
     local kind, limit, cost, window, ttl, key, used = unpack(st[i])
     if kind == 'bucket' then
@@ -85,6 +92,7 @@ if mode == 'acquire' and allok == 1 then
     end
   end
 elseif mode == 'release' then
+  if marker then redis.call('DEL', marker) end
   for i = 1, n do
     local kind, limit, refund, window, ttl, key, used = unpack(st[i])
     local rem = 0
@@ -138,6 +146,8 @@ class RedisLimiter:
         argv: list = [mode, member, repr(float(self.lease_s))]
         for d, c in zip(dims, costs):
             argv += [d.kind, d.limit, c, repr(float(d.window_s or 1.0)), d.seed, repr(float(d.ttl_s))]
+        if mode != "peek":
+            argv.append(self.prefix + "m:" + member)  # the acquire marker (see the script)
         args = (len(keys), *keys, *argv)
         try:
             reply = await self.client.execute("EVALSHA", SHA, *args)
@@ -166,6 +176,15 @@ class RedisLimiter:
             return []
         _, results = await self._run("release", dims, member, [refunds.get(d.key, 0) for d in dims])
         return results
+
+    async def undo(self, dims: list[Dim], member: str) -> bool:
+        """Take back ``acquire(dims, member)`` if, and only if, it ran (its marker exists): every dimension
+        gets its full cost back and the concurrency slot is freed. For an acquire whose reply was lost
+        (timeout, dropped connection): the script may or may not have run. Returns True if it released."""
+        if not dims:
+            return False
+        released, _ = await self._run("undo", dims, member, [d.cost for d in dims])
+        return released
 
     async def peek(self, dims: list[Dim]) -> list[DimResult]:
         if not dims:

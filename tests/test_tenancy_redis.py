@@ -271,3 +271,40 @@ def test_redis_script_matches_local_model(redis_url, ops, limits):
             await remote.aclose()
 
     trio.run(main)
+
+
+BUSY_2S = ("local s = redis.call('TIME') local t0 = s[1] + s[2] / 1e6 "
+           "while true do local t = redis.call('TIME') if t[1] + t[2] / 1e6 - t0 > 2 then break end end return 1")
+
+
+async def test_lost_acquire_reply_is_taken_back(tmp_path, redis_url):
+    """Redis runs the admission script but answers only after the gateway gave up (a 2 s script of another
+    client blocks it; the gateway's store timeout is 0.5 s here, 5 s in production): the request gets 503,
+    and what the script reserved is taken back (it used to keep the concurrency slot for the 1 h lease and
+    the tokens for the window); an undo of an acquire that never ran refunds nothing."""
+    from gateway.errors import ServiceUnavailable
+    from ratelimit.resp import RedisClient
+
+    async with Tenancy.open(str(tmp_path / "g.db"), redis_url=redis_url, announce=lambda s: None) as t:
+        t.store_timeout_s = 0.5
+        p = await t.authenticate(scope_for(await new_key(t, rpm=4, tpm=1000, max_concurrent=1, window_s=3600)))
+        async with t.admit(p, prompt_tokens=1, max_tokens=1) as r:  # also opens the pooled connection
+            r.finish(completion_tokens=1)
+        admin = RedisClient(redis_url)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(admin.execute, "EVAL", BUSY_2S, 0)
+                await trio.sleep(0.2)  # the busy script is running: Redis reads nothing until it ends
+                with pytest.raises(ServiceUnavailable):
+                    async with t.admit(p, prompt_tokens=100, max_tokens=100):
+                        pass
+            # nothing is held: the only concurrency slot is free, and requests + tokens are back in full
+            async with t.admit(p, prompt_tokens=400, max_tokens=500) as r:
+                assert r.headers["x-ratelimit-remaining-requests"] == "2"
+                assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 98
+                r.finish(completion_tokens=500)
+            dims = t._dims(p, 10, *t._day(time.time()))
+            assert await t.limiter.undo(dims, "never-acquired") is False
+            assert (await t.peek_headers(p))["x-ratelimit-remaining-requests"] == "2"
+        finally:
+            await admin.aclose()
