@@ -129,6 +129,18 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// Token t's row of head h in a paged cache; also prefetches the same row one block ahead (blocks are
+// scattered, so the hardware streamer stops at each block's end: 30 layers x 32 seqs x 256 keys bf16 went
+// 17.1 -> 12.2 ms with this, vs one line every 4 tokens).
+template <typename T, int HD>
+inline const T* head_row(const T* cache, const int32_t* table, int64_t t, int64_t L, int64_t bs, int64_t rec, int64_t h) {
+  if (t + bs < L) {
+    const char* nx = reinterpret_cast<const char*>(cache + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec + h * HD);
+    for (int off = 0; off < HD * static_cast<int>(sizeof(T)); off += 64) __builtin_prefetch(nx + off);
+  }
+  return cache + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * rec + h * HD;
+}
+
 // AVX-512 path for head_dim 64: per KV head (outer) and token (inner), q rows and output accumulators
 // stay in registers (g <= 4 query heads per KV head: 16 + 16 zmm).
 template <typename T, int G>
@@ -145,13 +157,7 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
     float m[G];
     for (int j = 0; j < G; ++j) m[j] = -FLT_MAX;
     for (int64_t t = 0; t < L; ++t) {
-      const int64_t blk = table[t / bs];
-      if (t + bs < L) {  // this token's head row one block ahead (blocks are scattered:
-                        // the streamer stops at each block's end; 30 layers x 32 seqs x 256 keys 17.1 -> 12.2 ms)
-        const char* nx = reinterpret_cast<const char*>(kc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec + h * HD);
-        for (int off = 0; off < HD * static_cast<int>(sizeof(T)); off += 64) __builtin_prefetch(nx + off);
-      }
-      const T* kp = kc + (blk * bs + t % bs) * rec + h * HD;
+      const T* kp = head_row<T, HD>(kc, table, t, L, bs, rec, h);
       const __m512 k0 = load16(kp), k1 = load16(kp + 16), k2 = load16(kp + 32), k3 = load16(kp + 48);
       for (int j = 0; j < G; ++j) {
         __m512 a = _mm512_mul_ps(qv[j][0], k0);
@@ -179,13 +185,7 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
-      const int64_t blk = table[t / bs];
-      if (t + bs < L) {  // this token's head row one block ahead (blocks are scattered:
-                        // the streamer stops at each block's end; 30 layers x 32 seqs x 256 keys 17.1 -> 12.2 ms)
-        const char* nx = reinterpret_cast<const char*>(vc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec + h * HD);
-        for (int off = 0; off < HD * static_cast<int>(sizeof(T)); off += 64) __builtin_prefetch(nx + off);
-      }
-      const T* vp = vc + (blk * bs + t % bs) * rec + h * HD;
+      const T* vp = head_row<T, HD>(vc, table, t, L, bs, rec, h);
       const __m512 v0 = load16(vp), v1 = load16(vp + 16), v2 = load16(vp + 32), v3 = load16(vp + 48);
       for (int j = 0; j < G; ++j) {
         const __m512 p = _mm512_set1_ps(scores[j * L + t]);
