@@ -51,11 +51,33 @@ template <> inline void store_row<uint16_t>(const float* src, uint16_t* dst, int
   for (int64_t d = 0; d < n; ++d) dst[d] = f32_to_bf16(src[d] * mul);
 }
 
-// Software prefetch of one token record of the *next* block (blocks are scattered in the pool, so
-// the hardware streamer stops at each block's end; reading from DRAM was latency-bound without it).
-inline void prefetch_record(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+// Token t's row at element offset `off` (`n` elements) of its record in a paged cache; also prefetches the
+// same row one block ahead: blocks are scattered in the pool, so the hardware streamer stops at each
+// block's end (30 layers x 32 seqs x 256 keys bf16: 17.1 -> 12.2 ms with whole-row prefetch, vs one line
+// every 4 tokens; reading from DRAM was latency-bound without it).
+template <typename T>
+inline const T* paged_row(const T* cache, const int32_t* table, int64_t t, int64_t L, int64_t bs, int64_t rec,
+                          int64_t off, int64_t n) {
+  if (t + bs < L) {
+    const char* nx = reinterpret_cast<const char*>(cache + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec + off);
+    for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(nx + b);
+  }
+  return cache + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * rec + off;
+}
+
+// In-place exp(s - max(s)) over L scores; returns their sum (scores are finite: built with -ffast-math,
+// which gives the vectorized expf of libmvec).
+inline float softmax_numerators(float* s, int64_t L) {
+  float m = -FLT_MAX;
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < L; ++t) {
+    s[t] = expf(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
 }
 
 // One task = one sequence and a contiguous range of its KV heads [h0, h1). With all heads in one
@@ -76,9 +98,7 @@ void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, 
   float* denom = scores + rows * L;     // [rows]
   for (int64_t i = 0; i < rows * hd; ++i) qs[i] = q[h0 * g * hd + i] * scale;
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t blk = table[t / bs];
-    if (t + bs < L) prefetch_record(kc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec, rec * sizeof(T));
-    const T* krec = kc + (blk * bs + t % bs) * rec;
+    const T* krec = paged_row<T>(kc, table, t, L, bs, rec, 0, rec);
     for (int64_t h = h0; h < h1; ++h) {
       load_row<T>(krec + h * hd, row, hd);
       for (int64_t j = 0; j < g; ++j) {
@@ -91,24 +111,10 @@ void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, 
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = scores + r * L;
-    float m = -FLT_MAX;  // scores are finite: built with -ffast-math (vectorized expf from libmvec)
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < L; ++t) m = sr[t] > m ? sr[t] : m;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      sr[t] = expf(sr[t] - m);
-      sum += sr[t];
-    }
-    denom[r] = sum;
-  }
+  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(scores + r * L, L);
   std::fill(acc, acc + rows * hd, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t blk = table[t / bs];
-    if (t + bs < L) prefetch_record(vc + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec, rec * sizeof(T));
-    const T* vrec = vc + (blk * bs + t % bs) * rec;
+    const T* vrec = paged_row<T>(vc, table, t, L, bs, rec, 0, rec);
     for (int64_t h = h0; h < h1; ++h) {
       load_row<T>(vrec + h * hd, row, hd);
       for (int64_t j = 0; j < g; ++j) {
@@ -129,18 +135,6 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// Token t's row of head h in a paged cache; also prefetches the same row one block ahead (blocks are
-// scattered, so the hardware streamer stops at each block's end: 30 layers x 32 seqs x 256 keys bf16 went
-// 17.1 -> 12.2 ms with this, vs one line every 4 tokens).
-template <typename T, int HD>
-inline const T* head_row(const T* cache, const int32_t* table, int64_t t, int64_t L, int64_t bs, int64_t rec, int64_t h) {
-  if (t + bs < L) {
-    const char* nx = reinterpret_cast<const char*>(cache + (static_cast<int64_t>(table[t / bs + 1]) * bs + t % bs) * rec + h * HD);
-    for (int off = 0; off < HD * static_cast<int>(sizeof(T)); off += 64) __builtin_prefetch(nx + off);
-  }
-  return cache + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * rec + h * HD;
-}
-
 // AVX-512 path for head_dim 64: per KV head (outer) and token (inner), q rows and output accumulators
 // stay in registers (g <= 4 query heads per KV head: 16 + 16 zmm).
 template <typename T, int G>
@@ -154,38 +148,24 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
     __m512 qv[G][4];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < 4; ++c) qv[j][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + j) * HD + 16 * c), _mm512_set1_ps(scale));
-    float m[G];
-    for (int j = 0; j < G; ++j) m[j] = -FLT_MAX;
     for (int64_t t = 0; t < L; ++t) {
-      const T* kp = head_row<T, HD>(kc, table, t, L, bs, rec, h);
+      const T* kp = paged_row<T>(kc, table, t, L, bs, rec, h * HD, HD);
       const __m512 k0 = load16(kp), k1 = load16(kp + 16), k2 = load16(kp + 32), k3 = load16(kp + 48);
       for (int j = 0; j < G; ++j) {
         __m512 a = _mm512_mul_ps(qv[j][0], k0);
         a = _mm512_fmadd_ps(qv[j][1], k1, a);
         a = _mm512_fmadd_ps(qv[j][2], k2, a);
         a = _mm512_fmadd_ps(qv[j][3], k3, a);
-        const float sc = _mm512_reduce_add_ps(a);
-        scores[j * L + t] = sc;
-        m[j] = sc > m[j] ? sc : m[j];
+        scores[j * L + t] = _mm512_reduce_add_ps(a);
       }
     }
     float inv[G];
-    for (int j = 0; j < G; ++j) {
-      float* sj = scores + j * L;
-      const float mj = m[j];
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < L; ++t) {
-        sj[t] = expf(sj[t] - mj);
-        sum += sj[t];
-      }
-      inv[j] = 1.f / sum;
-    }
+    for (int j = 0; j < G; ++j) inv[j] = 1.f / softmax_numerators(scores + j * L, L);
     __m512 acc[G][4];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
-      const T* vp = head_row<T, HD>(vc, table, t, L, bs, rec, h);
+      const T* vp = paged_row<T>(vc, table, t, L, bs, rec, h * HD, HD);
       const __m512 v0 = load16(vp), v1 = load16(vp + 16), v2 = load16(vp + 32), v3 = load16(vp + 48);
       for (int j = 0; j < G; ++j) {
         const __m512 p = _mm512_set1_ps(scores[j * L + t]);
