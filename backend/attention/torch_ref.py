@@ -90,16 +90,15 @@ class TorchAttention:
         ``query`` is in the cache dtype, or float32 over a bf16/fp16 cache (the model's float32 RoPE
         output on CPU, used as is by the float32 decode path).
         """
-        plan = _plan(meta, query.device)
         nd = meta.num_decodes
+        dec = None
         if nd and self._cpu_kernel is not None and query.device.type == "cpu" and k_cache.dtype in _KERNEL_DTYPES:
             dec = self._cpu_kernel.paged_decode(
                 query[:nd].float().contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, float(scale)
             )
             if nd == meta.num_seqs:
                 return dec
-        else:
-            dec = None
+        plan = _plan(meta, query.device, decode=dec is None)  # no decode gather/bias when the kernel did them
         if nd == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
@@ -228,8 +227,10 @@ class TorchAttention:
         return torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(nd, nh, hd)
 
 
-def _plan(meta: AttentionMetadata, device: torch.device) -> dict:
+def _plan(meta: AttentionMetadata, device: torch.device, decode: bool = True) -> dict:
     """Per-step gather indices and masks, shared by every layer (cached on the metadata object).
+
+    ``decode=False``: leave ``decode`` None (the decodes are served elsewhere, e.g. the C++ kernel).
 
     ``decode``: ``(nd, L, flat block ids [nd * L/bs] int64, bias [nd, 1, L] float32 (0 / -inf) | None)``;
     ``prefills``: per prefill sequence ``(first row, n new tokens, S keys, blocks [ceil(S/bs)] int64,
@@ -242,7 +243,7 @@ def _plan(meta: AttentionMetadata, device: torch.device) -> dict:
     nd = meta.num_decodes
     bt = meta.block_tables.long()
     plan = {"decode": None, "prefills": []}
-    if nd:
+    if nd and decode:
         max_len = max(meta.seq_lens_cpu[:nd])
         nblk = -(-max_len // bs)
         L = nblk * bs
