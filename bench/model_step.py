@@ -67,6 +67,14 @@ def _time(fn, steps: int, warmup: int = 2) -> list[float]:
     return out
 
 
+def _report(dtype: str, label: str, ts: list[float], tokens: int) -> str:
+    """Print one timing line (median / best of ``ts`` seconds, ``tokens`` per call) and return its table row."""
+    med, best = statistics.median(ts), min(ts)
+    print(f"[{dtype}] {label}: median {med * 1e3:.1f} ms  best {best * 1e3:.1f} ms  -> {tokens / med:.1f} tok/s "
+          f"(best {tokens / best:.1f})", flush=True)
+    return f"| {dtype} | {label} | {med * 1e3:.1f} ms (best {best * 1e3:.1f}) | {tokens / med:.1f} tok/s (best {tokens / best:.1f}) | |"
+
+
 def bench_dtype(args, dtype: str) -> list[str]:
     bs = 16
     ctx = args.context
@@ -87,21 +95,13 @@ def bench_dtype(args, dtype: str) -> list[str]:
     for B in args.batches:
         chunks = [SeqChunk([5 + i], ctx, tables[i], True) for i in range(B)]
         ts = _time(lambda: r.execute(chunks), args.steps)
-        med, best = statistics.median(ts), min(ts)
-        print(f"[{dtype}] decode B={B:3d}: median {med * 1e3:7.1f} ms  best {best * 1e3:7.1f} ms  "
-              f"-> {B / med:7.1f} tok/s (best {B / best:7.1f})", flush=True)
-        rows.append(f"| {dtype} | decode B={B} (ctx {ctx}) | {med * 1e3:.1f} ms (best {best * 1e3:.1f}) | "
-                    f"{B / med:.1f} tok/s (best {B / best:.1f}) | |")
+        rows.append(_report(dtype, f"decode B={B} (ctx {ctx})", ts, B))
     if args.prefill:
         base = max_b * ctx_blocks
         pt = list(range(base, base + -(-args.prefill // bs)))
         ids = [(i * 91) % 30000 + 50 for i in range(args.prefill)]
         ts = _time(lambda: r.execute([SeqChunk(ids, 0, pt, True)]), max(1, args.steps // 5), warmup=1)
-        med, best = statistics.median(ts), min(ts)
-        print(f"[{dtype}] prefill {args.prefill}: median {med:.3f} s best {best:.3f} s "
-              f"-> {args.prefill / med:.0f} tok/s", flush=True)
-        rows.append(f"| {dtype} | prefill {args.prefill} tokens | {med * 1e3:.0f} ms (best {best * 1e3:.0f}) | "
-                    f"{args.prefill / med:.0f} tok/s | |")
+        rows.append(_report(dtype, f"prefill {args.prefill} tokens", ts, args.prefill))
     if args.profile:
         from torch.profiler import profile
 
