@@ -27,11 +27,10 @@ $(VENV)/.cpukernels: $(STAMP) backend/cpu_kernels.cpp
 
 install: $(STAMP) $(VENV)/.cpukernels
 
-# System packages the tests use for real: Redis, Debian's Chromium (Playwright drives it), nginx (SSE through a proxy).
+# System packages the tests use for real (Redis, Debian's Chromium for Playwright, nginx for SSE through a
+# proxy): scripts/sysdeps.sh installs the missing ones (root or sudo, non-interactive, safe to rerun).
 sysdeps:
-	@command -v redis-server >/dev/null 2>&1 && test -x /usr/bin/chromium && command -v nginx >/dev/null 2>&1 || { \
-	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
-	  $$SUDO apt-get update -qq && $$SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server chromium nginx-light >/dev/null; }
+	@bash scripts/sysdeps.sh
 
 # CuPy + NVRTC: only needed for the NVRTC compile test of kernels_cupy (no GPU needed to compile).
 $(VENV)/.cuda: $(STAMP)

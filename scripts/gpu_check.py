@@ -370,11 +370,10 @@ def check_e2e(quick: bool) -> None:
     except Exception as e:  # noqa: BLE001
         row("e2e", "skipped", f"model file not available here ({e})")
         return
-    cands = [os.environ.get("GPU_CHECK_FIXTURES", ""), ROOT / "shared" / "fixtures", ROOT.parent / "shared" / "fixtures",
-             ROOT / ".gpu" / "fixtures"]
+    cands = [os.environ.get("GPU_CHECK_FIXTURES", ""), ROOT / "tests" / "fixtures"]
     fx = next((Path(c) / "smollm2_chats.json" for c in cands if c and (Path(c) / "smollm2_chats.json").exists()), None)
     if fx is None:
-        row("e2e", "skipped", "fixtures smollm2_chats.json not found (GPU_CHECK_FIXTURES, shared/fixtures)")
+        row("e2e", "skipped", "fixtures smollm2_chats.json not found (GPU_CHECK_FIXTURES, tests/fixtures)")
         return
     chats = json.loads(fx.read_text())["chats"][: RUN["cases"]]
     res = {}

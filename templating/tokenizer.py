@@ -13,7 +13,7 @@ Two sources are supported:
 * a Hugging Face model directory (``tokenizer.json`` + optional ``tokenizer_config.json`` /
   ``chat_template.jinja``), loaded as is.
 
-Checked against ``/work/shared/fixtures/smollm2_tokenizer.json`` (transformers 5.23 and llama.cpp agree).
+Checked against ``tests/fixtures/smollm2_tokenizer.json`` (transformers 5.23 and llama.cpp agree).
 
 Token ids are Python ``int``; all ids lie in ``[0, vocab_size)``.
 """

@@ -1,4 +1,7 @@
-"""Shared test fixtures: paths of the default model and of ../shared fixtures.
+"""Session fixtures: the default model's path and the reference data in ``tests/fixtures/``.
+
+``tests/fixtures/`` holds outputs of an implementation independent of this project (chat template,
+prompt ids, top logits, greedy continuations, tokenizer cases) and its README gives the tolerances.
 
 Area-specific fixtures live in ``tests/plugins/`` and are registered below.
 """
@@ -13,7 +16,7 @@ import pytest
 from backend.model_path import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.fixture(scope="session")
@@ -23,12 +26,12 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def chat_fixtures() -> list[dict]:
-    return json.loads((SHARED / "fixtures" / "smollm2_chats.json").read_text())["chats"]
+    return json.loads((FIXTURES / "smollm2_chats.json").read_text())["chats"]
 
 
 @pytest.fixture(scope="session")
 def tokenizer_fixtures() -> list[dict]:
-    return json.loads((SHARED / "fixtures" / "smollm2_tokenizer.json").read_text())["texts"]
+    return json.loads((FIXTURES / "smollm2_tokenizer.json").read_text())["texts"]
 
 # Area plugins (tests/ is on sys.path through this rootdir conftest).
 pytest_plugins = ["plugins.gateway_server"]
