@@ -3,7 +3,7 @@
 Usage::
 
     python -m backend --model PATH --listen unix:PATH|tcp://HOST:PORT
-        [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+        [--device cpu|cuda] [--dtype bfloat16|float32|float16]
         [--attention-backend torch|cupy]
         [--kv-cache-memory BYTES | --num-kv-blocks N] [--block-size 16]
         [--max-num-seqs N] [--max-num-batched-tokens N]
@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--listen", required=True, help="unix:PATH or tcp://HOST:PORT")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    from backend.model_path import DEFAULT_DTYPE
+
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "float16"],
+                    help=f"compute + KV dtype (default {DEFAULT_DTYPE}: the fast mode; float32: the exact mode, "
+                         "batch-invariant greedy output)")
     ap.add_argument("--attention-backend", default="torch", choices=["torch", "cupy"])
     kv = ap.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES", help="KV pool budget (e.g. 256MiB)")

@@ -17,7 +17,7 @@ aggregate decode at 32 sequences >= 8x single-stream; cached TTFT <= 0.1x cold.
 
 Usage::
 
-    python bench/engine.py [--dtype float32|bfloat16|float16] [--device cpu|cuda]
+    python bench/engine.py [--dtype bfloat16|float32|float16] [--device cpu|cuda]
         [--concurrency 1,8,32,64] [--prompt-len 128] [--output-len 128]
         [--long-prompt 2000] [--threads N] [--no-append]
 
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from backend.engine import Engine  # noqa: E402
-from backend.model_path import default_model_path  # noqa: E402
+from backend.model_path import DEFAULT_DTYPE, default_model_path  # noqa: E402
 from backend.model_runner import ModelRunner  # noqa: E402
 from backend.protocol import SamplingParams, Submit  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)

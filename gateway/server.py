@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-key", default=os.environ.get("GATEWAY_ADMIN_KEY"), help="admin bearer key (env GATEWAY_ADMIN_KEY)")
     s.add_argument("--db", default=None, help="tenancy database path (SQLite)")
     s.add_argument("--redis-url", default=None, help="Redis URL for shared rate limits")
-    s.add_argument("--dtype", default=None, help="backend compute dtype (passed through)")
+    s.add_argument("--dtype", default=None, help="compute dtype of spawned backends (default: bfloat16, the fast mode; "
+                                                 "float32: the exact mode)")
     s.add_argument("--tokenizer", default=None, help="tokenizer/template source (default: the model)")
     s.add_argument("--served-model-name", action="append", default=[], help="extra accepted model name (repeatable)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
@@ -236,7 +237,7 @@ class DrainGate:
 
 
 def _wrap(app: Any, gw: Gateway) -> Any:
-    """CORS outermost (preflights answered before auth; error responses get CORS headers too, C30)."""
+    """CORS outermost (preflights answered before auth; error responses get CORS headers too, so a browser client can read a 401 or 429 body)."""
     from gateway.cors import CORSMiddleware, cors_origins_from_env
 
     return CORSMiddleware(app, origins=cors_origins_from_env())

@@ -168,8 +168,8 @@ def _start_backend(tmp_path, model_path):
 
     sock = str(tmp_path / "backend.sock")
     log = open(tmp_path / "backend.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{sock}"],
-                            cwd=str(Path(__file__).resolve().parent.parent), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{sock}",
+                             "--dtype", "float32"], cwd=str(Path(__file__).resolve().parent.parent), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:

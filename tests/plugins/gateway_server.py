@@ -1,9 +1,14 @@
 """Pytest fixtures that run a real gateway (``python -m gateway serve``) with a real backend process.
 
 * ``gateway`` (session scope): ONE gateway subprocess on a free loopback port, spawned backend with the
-  default model, admin key, temp tenancy DB, 1 s SSE heartbeats. Most gateway tests share it.
+  default model in float32, admin key, temp tenancy DB, 1 s SSE heartbeats. Most gateway tests share it.
 * ``make_gateway`` (function scope factory): a private gateway for tests that break it (crash test);
   stopped at the end of the test.
+
+Every gateway started here runs its backend with ``--dtype float32`` unless the caller passes another
+``dtype`` (``None``: the served default, bfloat16 on CPU): float32 is the exact mode, within 1e-3 of the
+reference logits and invariant to batching and prefix caching, which the tests that compare text, repeat
+a seed or run requests side by side rely on.
 
 ``GatewayProc`` gives the base URL, the admin key, the API key to use (a tenant key created through the
 admin API when tenancy is wired in, else a dummy), the served model name, and helpers: ``stats()``
@@ -129,8 +134,11 @@ def _die_with_pytest() -> None:
         pass
 
 
-def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = None) -> GatewayProc:
+def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = None,
+                  dtype: str | None = "float32") -> GatewayProc:
     """Start ``python -m gateway serve`` on a free port and wait until /readyz is 200.
+
+    ``dtype`` is passed as ``--dtype`` (``None``: no flag, the served default).
 
     Raises:
         RuntimeError: the process exited or did not become ready within STARTUP_TIMEOUT seconds.
@@ -140,7 +148,8 @@ def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = N
     admin_key = "adm-" + os.urandom(8).hex()
     log_path = Path(tmp) / "gateway.log"
     cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--admin-key", admin_key,
-           "--db", str(Path(tmp) / "tenancy.sqlite"), "--sse-heartbeat", str(heartbeat), *extra_args]
+           "--db", str(Path(tmp) / "tenancy.sqlite"), "--sse-heartbeat", str(heartbeat),
+           *(["--dtype", dtype] if dtype else []), *extra_args]
     logf = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                             start_new_session=True, preexec_fn=_die_with_pytest)

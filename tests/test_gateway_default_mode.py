@@ -1,0 +1,57 @@
+"""The served default mode end to end: ``python -m gateway serve`` with no ``--dtype`` runs bfloat16 on CPU.
+
+Every other gateway test pins ``--dtype float32`` (the exact mode). This one starts a private gateway with
+no dtype flag and checks what a new user gets from ``make serve``: the model card says bfloat16, greedy
+text follows the float32 reference up to its first near tie (the bf16 tolerance of the reference
+fixtures: ``tests/fixtures/README.md``), streaming equals the non-streaming answer, and nothing is left
+running or holding KV blocks afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plugins.gateway_server import post_json, stream_post
+from templating import cached_tokenizer
+
+CHAT = "/v1/chat/completions"
+NEAR_TIE = 0.1  # reference top-2 logit gap under which bf16 rounding may pick the other token
+
+
+def _reference_prefix(case: dict) -> list[int]:
+    """The reference greedy ids before the first step whose top-2 gap is a near tie."""
+    out = []
+    for tok, gap in zip(case["greedy_ids"], case["greedy_top2_gap"]):
+        if gap < NEAR_TIE:
+            break
+        out.append(tok)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_default_mode_is_bf16_and_follows_the_reference(make_gateway, chat_fixtures, model_path):
+    gw = make_gateway(dtype=None)
+    models = gw.openai().models.list().data
+    assert models[0].model_extra["dtype"] == "bfloat16"
+    tok = cached_tokenizer(model_path)
+    baseline = gw.wait_idle()["kv_blocks_used"]
+    checked = 0
+    for case in chat_fixtures:
+        prefix = _reference_prefix(case)
+        if len(prefix) < 8:
+            continue  # a near tie within the first tokens leaves nothing worth comparing
+        body = {"model": gw.model, "messages": case["messages"], "max_tokens": len(case["greedy_ids"]), "temperature": 0}
+        r = post_json(gw, CHAT, body)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["message"]["content"]
+        assert content.startswith(tok.decode(prefix)), (case["name"], content)
+        assert r.json()["usage"]["prompt_tokens"] == len(case["prompt_ids"])
+        checked += 1
+    assert checked >= 3
+    s = stream_post(gw, CHAT, {"model": gw.model, "messages": [{"role": "user", "content": "Name three colors."}],
+                               "max_tokens": 24, "temperature": 0})
+    n = post_json(gw, CHAT, {"model": gw.model, "messages": [{"role": "user", "content": "Name three colors."}],
+                             "max_tokens": 24, "temperature": 0})
+    assert s.done and s.content() and s.content() == n.json()["choices"][0]["message"]["content"]
+    st = gw.wait_idle(baseline_kv=baseline)
+    assert st["running"] == 0 and st["waiting"] == 0 and st["kv_blocks_used"] <= baseline
