@@ -155,7 +155,11 @@ class Engine:
     # ------------------------------------------------------------------ validation
 
     def validate(self, submit: Submit) -> RequestError | None:
-        """Check a submit against the model and engine limits; None when it is fine (C18, C23)."""
+        """Check a submit against the model and engine limits; None when it is fine.
+
+        Refused here, before scheduling, so a bad request (out-of-vocab logit_bias, prompt + max_tokens
+        over the context length) never reaches the engine step and never fails the other requests.
+        """
         rid = submit.request_id
 
         def err(code: str, message: str, param: str | None = None) -> RequestError:

@@ -5,7 +5,7 @@ Source: WHATWG Fetch, "CORS protocol" (https://fetch.spec.whatwg.org/#http-cors-
 - A CORS preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) is answered
   here with **204** and the ``Access-Control-Allow-*`` headers, **without calling the app**, so no
   auth runs on it (a preflight never carries credentials; answering it with 401 breaks every
-  browser client: CASES.md C30). Any other ``OPTIONS`` is also answered 204 (with ``Allow``).
+  browser client). Any other ``OPTIONS`` is also answered 204 (with ``Allow``).
 - Every other response - 200s, SSE streams, **401/403/429/500 errors included** - gets
   ``Access-Control-Allow-Origin`` and ``Access-Control-Expose-Headers`` when the request's origin is
   allowed, so a browser page can read error bodies and the rate-limit headers.

@@ -2,7 +2,7 @@
 
 Each token id maps to the exact bytes it stands for (``TextTokenizer.id_to_bytes``, byte-level BPE); the
 bytes go through Python's incremental UTF-8 decoder (``codecs.getincrementaldecoder("utf-8")``,
-``errors="replace"``). Consequences (CASES.md C01, C03, C04):
+``errors="replace"``). Consequences:
 
 * a character split across tokens is emitted once, when its last byte arrives; no delta ever carries a
   U+FFFD for an incomplete-but-valid prefix;

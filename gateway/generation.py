@@ -2,15 +2,15 @@
 
 ``Generation`` owns the per-request text pipeline (plain objects owned by the
 handler task): per choice an ``IncrementalDetokenizer`` -> ``StopMatcher``
-(held-back text, CASES C05/C06), token counting, logprobs, and the final
-usage/timings. Per engine step the work is O(new tokens) (C03): no
-re-decoding, no growing windows.
+(text that may start a stop string is held back, a stop split across tokens
+is still found), token counting, logprobs, and the final usage/timings. Per
+engine step the work is O(new tokens): no re-decoding, no growing windows.
 
 Producers (``stream`` / ``complete``) run inside ``CallResponse``: they pick a
 backend, submit, and read the request's channel. Leaving the ``with handle``
 block early (stop string matched, client gone, error) sends ``Abort``.
 
-finish_reason rules (C08): a stop string seen in the text is "stop" even when
+finish_reason rules: a stop string seen in the text is "stop" even when
 the backend reported "length" for the same step; backend "stop" (EOS or a
 stop token id) is "stop"; "length" is "length". Backend "abort"/"error" and
 a lost backend end the request with an error (503/500 before the first

@@ -7,7 +7,7 @@ the parameter too. Unknown fields are ignored (as OpenAI does).
 
 Responses (chunks, completions) are structs as well so that encoding a chunk
 is one ``msgspec.json`` call. ``ChunkChoice`` never omits ``finish_reason`` or
-``logprobs`` (they are ``null`` until set, CASES C09); ``Delta`` omits absent
+``logprobs`` (they are ``null`` until set, never ``""`` or missing); ``Delta`` omits absent
 members (``{"content": "..."}``).
 
 Sources: OpenAI API reference, "Create chat completion" and "The chat

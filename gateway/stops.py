@@ -1,6 +1,6 @@
 """Stop strings on streamed text (OpenAI ``stop``; vLLM ``include_stop_str_in_output``).
 
-Semantics (CASES.md C05, C06, C08; documented in ``docs/text.md``):
+Semantics (documented in ``docs/text.md``):
 
 * The output ends at the FIRST stop-string occurrence in the generated text, "first" meaning the one that
   completes earliest (smallest end offset; ties go to the one starting earliest, i.e. the longer). It is

@@ -4,17 +4,18 @@
 runs ``produce(writer)`` next to a task that waits for ``http.disconnect``:
 when the client goes away the producer is cancelled, so its ``with
 handle:`` block exits and the backend request is aborted within one engine
-step (CASES C25). The producer decides the status late: until it sends the
-first SSE event it can still answer with a plain JSON error and a 4xx/5xx
-status (C23, C24); afterwards an error is one ``data: {"error": ...}`` event,
-then ``data: [DONE]``, then the response ends (C24).
+step, which frees its KV blocks. The producer decides the status late: until
+it sends the first SSE event it can still answer with a plain JSON error and a
+4xx/5xx status (an over-long prompt or a bad parameter is a 400 before any SSE
+byte); afterwards an error is one ``data: {"error": ...}`` event, then
+``data: [DONE]``, then the response ends (the connection is never left open).
 
 SSE framing follows the WHATWG HTML spec, "Server-sent events"
 (https://html.spec.whatwg.org/multipage/server-sent-events.html): ``data:``
 lines, a blank line per event, ``:``-comments as heartbeats. Each event is
 one ASGI ``http.response.body`` message, which hypercorn writes (flushes)
 at once. Headers: ``Cache-Control: no-cache`` and ``X-Accel-Buffering: no``
-(nginx would otherwise buffer the stream, C30).
+(nginx would otherwise buffer the stream and deliver it all at once).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The real ``python -m backend`` process over a unix socket: handshake, bad input, reconnects, shutdown.
 
-C18: bad requests (out-of-vocab logit_bias, bad params, over-long prompt, out-of-vocab
+Bad requests (out-of-vocab logit_bias, bad params, over-long prompt, out-of-vocab
 prompt ids, unknown message types, oversized frames) fail alone; the engine keeps
-serving the others. C25: a closed connection aborts its requests and frees their blocks.
+serving the others. A closed connection aborts its requests and frees their blocks.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def test_connection_garbage_is_fatal_but_others_keep_going(backend):
 
 
 def test_abort_and_disconnect_free_blocks(backend):
-    """C25: an aborted request and a dropped connection release everything within a step or so."""
+    """An aborted request and a dropped connection release everything within a step or so."""
     proc, path = backend
     a = Client(path)
     a.hello()

@@ -1,8 +1,8 @@
-"""Engine acceptance tests on the real model (CPU, fp32): batching, preemption, prefix cache, C28, aborts.
+"""Engine acceptance tests on the real model (CPU, fp32): batching, preemption, prefix cache, chunked
+prefill, aborts.
 
-Cases: C15 (greedy batch invariance), C25 (abort frees everything), C27
-(preemption by recompute keeps outputs exact), C28 (chunked prefill keeps
-decodes and short prompts moving).
+Greedy output does not depend on the batch; an abort frees everything; preemption by recompute keeps
+outputs exact (no duplicated or missing tokens); chunked prefill keeps decodes and short prompts moving.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_greedy_matches_reference_fixture(runner, chat_fixtures):
 
 
 def test_greedy_batch_invariant_and_preemption_exact(runner, prompts):
-    """C15 + C27: alone == in a batch of 16 mixed lengths == with a tiny pool that forces preemption."""
+    """Greedy batch invariance and exact preemption: alone == in a batch of 16 mixed lengths == with a tiny pool that forces preemption."""
     solo = []
     eng = Engine(runner, enable_prefix_caching=False)
     for p in prompts[:8]:
@@ -74,7 +74,7 @@ def test_greedy_batch_invariant_and_preemption_exact(runner, prompts):
     assert len(prompts) == 16 and len({len(p) for p in prompts}) > 8
     assert batched[:8] == solo
 
-    # C27: 8 concurrent greedy requests, a pool far too small for all of them at once
+    # preemption: 8 concurrent greedy requests, a pool far too small for all of them at once
     eight = prompts[:8]
     need = max(-(-(len(p) + 12) // 16) for p in eight)
     eng = Engine(runner, num_kv_blocks=need + 2, enable_prefix_caching=False)
@@ -155,7 +155,7 @@ def test_n_choices_share_prompt_and_differ(runner, prompts):
     sp = SamplingParams(n=3, temperature=0.8, max_tokens=12, seed=7)
     (o,) = run(eng, [(p, sp, "")])
     choices = [collect_tokens(o, i) for i in range(3)]
-    assert len({tuple(c) for c in choices}) == 3, "n=3 with a seed gave identical choices (C16)"
+    assert len({tuple(c) for c in choices}) == 3, "n=3 with a seed gave identical choices"
     for i in range(3):
         fin = final_output(o, i)
         assert fin is not None and fin.usage.prompt_tokens == len(p)
@@ -166,8 +166,8 @@ def test_n_choices_share_prompt_and_differ(runner, prompts):
     assert eng2.stats().kv_blocks_used == 0
 
 
-def test_c28_long_prompt_does_not_stall_stream_or_short_request(runner, prompts):
-    """C28 on the real model, scaled down for a 2-core CPU: a 1,024-token prompt in 64-token steps
+def test_chunked_prefill_long_prompt_does_not_stall_stream_or_short_request(runner, prompts):
+    """Chunked prefill alternates with decodes on the real model, scaled down for a 2-core CPU: a 1,024-token prompt in 64-token steps
     (16 chunks, the shape of 7,000 tokens in 512-token steps; the 7,000/512 case itself runs on the
     plain scheduler in test_scheduler_property.py). The running stream gets a token every step and a
     short request arriving mid-prefill gets its first token in the step after it arrives."""

@@ -1,4 +1,4 @@
-"""CORS middleware (C30): preflight 204 without auth, CORS headers on 200/401/429/500, origin lists.
+"""CORS middleware: preflight 204 without auth, CORS headers on 200/401/429/500, origin lists.
 
 The wrapped app is a small real Starlette app whose middleware requires a bearer key (401 otherwise)
 and whose routes raise the gateway's own errors; the middleware sits outside it, as in the gateway.

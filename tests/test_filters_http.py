@@ -1,6 +1,6 @@
 """Filters, CORS and SSE through the real gateway (shared ``gateway`` fixture: subprocess + real backend).
 
-C30: preflight 204 without auth; 401 with CORS headers; SSE with ``Cache-Control: no-cache`` and
+Browser and proxy clients: preflight 204 without auth; 401 with CORS headers; SSE with ``Cache-Control: no-cache`` and
 ``X-Accel-Buffering: no``, arriving event by event through a real nginx with default buffering.
 Azure semantics: blocked prompt -> 400 content_filter (streamed or not); cut output ->
 finish_reason content_filter, no text after the cut, backend request aborted.
@@ -109,7 +109,7 @@ def finishes(events) -> list:
     return [c["finish_reason"] for _, e in events if e != "[DONE]" for c in e.get("choices", []) if c["finish_reason"] is not None]
 
 
-# ----------------------------------------------------------------------------- CORS (C30)
+# ----------------------------------------------------------------------------- CORS (preflight needs no key)
 
 
 def test_preflight_204_without_auth(gateway):
@@ -148,7 +148,7 @@ def test_sse_headers(gateway):
     assert events[-1][1] == "[DONE]"
 
 
-# ----------------------------------------------------------------------------- nginx (C30)
+# ----------------------------------------------------------------------------- nginx (no buffering of streams)
 
 
 @pytest.fixture(scope="module")

@@ -182,14 +182,14 @@ def test_body_too_large(gateway):
 
 
 def test_validation_errors_never_start_a_stream(gateway):
-    # C24 first half: S with n 0 -> 400 JSON, no event stream
+    # a validation error on a stream request (n 0) -> 400 JSON, no event stream
     res = stream_post(gateway, CHAT, chat_body(gateway, "hi", n=0))
     assert res.status == 400 and json.loads(res.body)["error"]["param"] == "n"
     assert not res.headers["content-type"].startswith("text/event-stream")
 
 
-def test_c30_cors_preflight_and_error_headers(gateway):
-    """C30: OPTIONS preflight is 204 with CORS headers and needs no auth; 401s carry CORS headers; streams
+def test_cors_preflight_needs_no_key_and_errors_carry_cors_headers(gateway):
+    """OPTIONS preflight is 204 with CORS headers and needs no auth; 401s carry CORS headers; streams
     carry X-Accel-Buffering: no and Cache-Control: no-cache (checked in test_stream_headers_and_chunks)."""
     origin = "http://example.test"
     r = httpx.options(gateway.base_url + CHAT, headers={"Origin": origin, "Access-Control-Request-Method": "POST",

@@ -1,5 +1,6 @@
-"""Gateway lifecycle against a real server + backend: client disconnects (C25), 64 concurrent streams,
-backend crash mid-stream (C24 second half), heartbeats, graceful shutdown.
+"""Gateway lifecycle against a real server + backend: client disconnects (abort within a step, KV blocks
+freed), 64 concurrent streams, backend crash mid-stream (error event, [DONE], connection closed),
+heartbeats, graceful shutdown.
 
 ``GATEWAY_TEST_ABORT_DEADLINE`` (seconds, default 2) bounds how long after a disconnect the engine must be
 back at its baseline (running 0, KV blocks back); raise it only on a machine far slower than 2 cores.
@@ -39,7 +40,7 @@ def _wait_back(gw, baseline_kv: int, aborts_before: int) -> dict:
     return st
 
 
-def test_c25_disconnect_streaming(gateway):
+def test_disconnect_aborts_streaming_request(gateway):
     base = gateway.wait_idle(120)
     body = chat_body(gateway, LONG, max_tokens=2000, temperature=0, stream=True)
     with httpx.Client(timeout=300) as client:
@@ -59,7 +60,7 @@ def test_c25_disconnect_streaming(gateway):
     assert st["generation_tokens"] - base["generation_tokens"] < 2000
 
 
-def test_c25_disconnect_non_streaming(gateway):
+def test_disconnect_aborts_non_streaming_request(gateway):
     base = gateway.wait_idle(120)
     payload = json.dumps(chat_body(gateway, LONG, max_tokens=2000, temperature=0)).encode()
     req = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -120,7 +121,7 @@ async def test_64_concurrent_streams(gateway):
 
 @pytest.mark.timeout(900)
 def test_backend_crash_mid_stream_then_recovery(make_gateway):
-    """C24 (fault mid-stream): one error event, [DONE], connection closed; an in-flight non-stream request gets
+    """Fault mid-stream: one error event, [DONE], connection closed; an in-flight non-stream request gets
     503; the supervisor restarts the backend and the next request succeeds. Also: heartbeats while waiting,
     and graceful drain on SIGTERM."""
     gw = make_gateway("--backend-wait", "300", heartbeat=0.05)

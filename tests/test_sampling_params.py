@@ -1,4 +1,4 @@
-"""Sampler semantics on the real model's logits (CPU, fp32): C15, C16, C18, C20.
+"""Sampler semantics on the real model's logits (CPU, fp32).
 
 Seeds reproducible across batch compositions, fresh seeds differ, penalties count
 generated tokens only, EOS/stop never penalised, logprobs from the raw distribution,
@@ -50,7 +50,7 @@ def st(p, prompt_ids, **kw):
 
 
 def test_presence_frequency_count_generated_only(logits, apple_prompt):
-    """C20: first-step logits identical with frequency/presence penalty 2 vs 0."""
+    """Penalties ignore the prompt: first-step logits identical with frequency/presence penalty 2 vs 0."""
     base = process_logits(logits, [st(None, apple_prompt, temperature=0)])
     pen = process_logits(logits, [st(None, apple_prompt, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)])
     assert torch.equal(base, pen)
@@ -130,7 +130,7 @@ def test_min_tokens_and_logit_bias(runner, prompt):
 
 
 def test_seeds_reproducible_across_batches_and_fresh_seeds_differ(runner, prompt, apple_prompt):
-    """C16: same seed -> same tokens whatever the batch; no seed -> different; any int seed accepted."""
+    """Same seed -> same tokens whatever the batch; no seed -> different; any int seed accepted."""
     def sp(seed, n=1):
         return SamplingParams(temperature=0.8, max_tokens=8, seed=seed, n=n)
 

@@ -175,7 +175,8 @@ def test_random_traffic_no_leaks_and_exact_outputs(ops, num_blocks, block_size, 
 
 
 def test_chunked_prefill_does_not_block_decodes_or_short_prompt():
-    """C28 at the scheduler level: a 7,000-token prompt, a running stream, a late short request."""
+    """Chunked prefill alternates with decodes (scheduler level): a 7,000-token prompt, a running stream and a
+    late short request; neither the stream nor the short request waits for the whole long prefill."""
     bm = BlockManager(600, 16)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=512)
     stream = Sequence(list(range(20)), max_tokens=1000)

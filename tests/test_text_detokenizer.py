@@ -1,4 +1,5 @@
-"""Incremental detokenizer: C01 (split characters), C03 (lone bytes, bounded hold-back), C04 (no lost spaces)."""
+"""Incremental detokenizer: split characters sent once when complete, lone bytes with bounded hold-back,
+no lost spaces."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from gateway.detokenizer import IncrementalDetokenizer
 from templating import cached_tokenizer
 
-C01 = "Xin chào 你好 🙂👍🏽"
+CJK_EMOJI = "Xin chào 你好 🙂👍🏽"
 
 
 @pytest.fixture(scope="module")
@@ -30,27 +31,27 @@ def byte_token(tok, b: int) -> int:
     return next(i for i, bs in enumerate(tok.id_to_bytes) if bs == bytes([b]) and i not in tok.special_ids)
 
 
-def test_c01_split_characters_sent_once_when_complete(tok):
-    ids = tok.encode_plain(C01)
+def test_split_characters_sent_once_when_complete(tok):
+    ids = tok.encode_plain(CJK_EMOJI)
     deltas = stream(tok, ids)
     assert not any("\ufffd" in d for d in deltas)
-    assert "".join(deltas) == tok.decode(ids) == C01
+    assert "".join(deltas) == tok.decode(ids) == CJK_EMOJI
     # every multi-token character arrives whole, in exactly one delta
     for ch in "àΩ你好🙂👍🏽":
-        if ch in C01:
-            assert sum(ch in d for d in deltas) == C01.count(ch)
+        if ch in CJK_EMOJI:
+            assert sum(ch in d for d in deltas) == CJK_EMOJI.count(ch)
     # some tokens are partial characters: they produce "" and the character comes later
     assert "" in deltas[:-1]
 
 
-def test_c01_fixture_texts(tok, tokenizer_fixtures):
+def test_fixture_texts_without_replacement_chars(tok, tokenizer_fixtures):
     for case in tokenizer_fixtures:
         deltas = stream(tok, case["ids"])
         assert "".join(deltas) == case["text"]
         assert not any("\ufffd" in d for d in deltas)
 
 
-def test_c04_fixture_greedy_outputs(tok, chat_fixtures):
+def test_fixture_greedy_outputs_keep_spaces(tok, chat_fixtures):
     """join(deltas) is identical to the non-stream decode, spaces and newlines included."""
     for case in chat_fixtures:
         ids = case["greedy_ids"]
@@ -59,7 +60,7 @@ def test_c04_fixture_greedy_outputs(tok, chat_fixtures):
         assert d.feed_many(ids[:7]) + d.feed_many(ids[7:]) + d.flush() == case["greedy_text"]
 
 
-def test_c03_lone_continuation_byte_then_ascii(tok):
+def test_lone_continuation_byte_then_ascii(tok):
     bad = byte_token(tok, 0x80)
     ascii_ids = [tok.encode_plain("a")[0]] * 50
     d = IncrementalDetokenizer.for_tokenizer(tok)
@@ -71,7 +72,7 @@ def test_c03_lone_continuation_byte_then_ascii(tok):
     assert "\ufffd" + "a" * 50 == tok.decode([bad] + ascii_ids)
 
 
-def test_c03_hold_back_is_bounded(tok):
+def test_hold_back_is_bounded(tok):
     lead = byte_token(tok, 0xF0)  # 4-byte lead: needs 3 more bytes
     cont = byte_token(tok, 0x9F)
     d = IncrementalDetokenizer.for_tokenizer(tok)
@@ -87,7 +88,7 @@ def test_c03_hold_back_is_bounded(tok):
     assert d2.flush() == ""
 
 
-def test_c03_work_per_token_does_not_grow(tok):
+def test_work_per_token_does_not_grow(tok):
     bad = byte_token(tok, 0x80)
     a = tok.encode_plain("a")[0]
     d = IncrementalDetokenizer.for_tokenizer(tok)

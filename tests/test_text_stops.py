@@ -1,4 +1,4 @@
-"""Stop strings: C05 (multi-token stop held back), C06 (stop across tokens, include flag), C08 helper."""
+"""Stop strings: multi-token stop held back, stop across tokens, include flag, stop on the last token."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def stream_tokens(tok, text, stops, include=False):
     return emitted, matched
 
 
-def test_c05_multi_token_stop_never_leaks(tok):
+def test_multi_token_stop_never_leaks(tok):
     text = "ABCDEFGHIJKLMNOP"
     assert len(tok.encode_plain("DEFGHIJ")) > 1  # really a multi-token stop
     emitted, matched = stream_tokens(tok, text, ["DEFGHIJ"])
@@ -76,7 +76,7 @@ def test_c05_multi_token_stop_never_leaks(tok):
         assert not set(e) & set("DEFGHIJ")
 
 
-def test_c05_partial_stop_released_when_it_cannot_match(tok):
+def test_partial_stop_released_when_it_cannot_match(tok):
     emitted, matched = stream_tokens(tok, "ABCDEFG then more", ["DEFGHIJ"])
     assert not matched
     assert "".join(emitted) == "ABCDEFG then more"
@@ -88,7 +88,7 @@ def test_c05_partial_stop_released_when_it_cannot_match(tok):
     assert m.feed("X") == ("DEFGX", False) and m.held == ""
 
 
-def test_c06_stop_across_tokens(tok):
+def test_stop_across_tokens(tok):
     text = "alpha beta gamma delta"
     emitted, matched = stream_tokens(tok, text, ["beta gamma"])
     assert matched and "".join(emitted) == "alpha "
@@ -100,7 +100,7 @@ def test_c06_stop_across_tokens(tok):
     assert "".join(emitted) == "alpha "
 
 
-def test_c06_stop_inside_one_delta_with_text_after():
+def test_stop_inside_one_delta_with_text_after():
     m = StopMatcher(["beta gamma"])
     assert m.feed("alpha beta gamma delta") == ("alpha ", True)
     assert m.feed("more") == ("", True)
@@ -108,7 +108,7 @@ def test_c06_stop_inside_one_delta_with_text_after():
     assert m.matched_stop == "beta gamma"
 
 
-def test_c08_stop_on_last_token_is_reported():
+def test_stop_on_last_token_is_reported():
     m = StopMatcher(["END"])
     assert m.feed("xx E") == ("xx ", False)
     assert m.feed("ND") == ("", True)  # matched on this feed: finish_reason "stop" wins over "length"

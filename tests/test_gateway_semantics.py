@@ -1,5 +1,7 @@
-"""CASES.md gateway rows (C01 C04 C05 C06 C08 C09 C11 C12 C14 C15 C16 C18 C21 C23) and the fixture greedy texts,
-end to end: real gateway + backend (session ``gateway`` fixture), official ``openai`` client and httpx.
+"""OpenAI response semantics end to end: stream == non-stream (no lost spaces, no split characters), stop
+strings, finish_reason, chunk sequences, message shapes, determinism, requests rejected before scheduling,
+and the fixture greedy texts. Real gateway + backend (shared ``gateway`` fixture), official ``openai``
+client and httpx.
 
 Requests that can run together are sent concurrently (threads) so the engine batches them: the cost of a
 test is then about one request's decode steps.
@@ -33,13 +35,13 @@ def _content(d, i=0):
     return d["choices"][i]["message"]["content"]
 
 
-# ----------------------------------------------------------------------------- C04, C01, fixtures
+# ----------------------------------------------------------------------------- stream == non-stream, fixtures
 
 
 @pytest.mark.timeout(900)  # generous only for overloaded shared machines
-def test_c04_c01_stream_equals_nonstream_and_fixture_greedy(gateway, chat_fixtures):
-    """C04: join(deltas) byte-identical to the non-stream content (greedy, 64 tokens). C01: CJK/emoji never
-    produce U+FFFD in a delta. Fixtures: each fixture prompt reproduces greedy_text (max_tokens 64)."""
+def test_stream_equals_nonstream_and_fixture_greedy(gateway, chat_fixtures):
+    """Joined deltas byte-identical to the non-stream content (no lost spaces; greedy, 64 tokens); CJK/emoji
+    never produce U+FFFD in a delta. Fixtures: each fixture prompt reproduces greedy_text (max_tokens 64)."""
     cats = chat_body(gateway, "Write two sentences about cats.", max_tokens=64, temperature=0)
     uni = chat_body(gateway, "Repeat exactly: Xin chào 你好 🙂👍🏽", max_tokens=32, temperature=0)
     calls = [lambda: stream_post(gateway, CHAT, cats), lambda: _nonstream(gateway, cats),
@@ -60,7 +62,7 @@ def test_c04_c01_stream_equals_nonstream_and_fixture_greedy(gateway, chat_fixtur
         assert d["choices"][0]["finish_reason"] == ("stop" if len(fx["greedy_ids"]) < 64 else "length")
 
 
-# ----------------------------------------------------------------------------- C05, C06 stop strings
+# ----------------------------------------------------------------------------- stop strings
 
 
 def _check_stream_stop(res, expected_content):
@@ -70,14 +72,14 @@ def _check_stream_stop(res, expected_content):
 
 
 @pytest.mark.timeout(900)  # generous only for overloaded shared machines
-def test_c05_c06_stop_strings(gateway):
+def test_stop_strings_held_back_and_matched_across_tokens(gateway):
     alpha = "Continue the alphabet after ABC"
     rep = "Repeat exactly: alpha beta gamma delta"
     # Greedy references without stops (same max_tokens as below so that the batch is alike).
     ref_a, ref_r = _parallel(lambda: _nonstream(gateway, chat_body(gateway, alpha, max_tokens=24, temperature=0)),
                              lambda: _nonstream(gateway, chat_body(gateway, rep, max_tokens=24, temperature=0)))
     text_a, text_r = _content(ref_a), _content(ref_r)
-    # A multi-token stop string taken from the middle of the greedy text (the CASES literal "DEFGHIJ" is
+    # A multi-token stop string taken from the middle of the greedy text (the literal "DEFGHIJ" is
     # absent from this model's answer, whose letters are comma-separated: "D, E, F").
     i = text_a.index("D")
     stop_a = text_a[i : i + 7]  # e.g. "D, E, F"
@@ -98,7 +100,7 @@ def test_c05_c06_stop_strings(gateway):
         assert _content(n) == expected, (kw, _content(n))
         assert n["choices"][0]["finish_reason"] == "stop"
         _check_stream_stop(s, expected)
-        # C05: no delta ever carried a piece of the stop string beyond the final content
+        # held back: no delta ever carried a piece of the stop string beyond the final content
         acc = ""
         for e in s.events:
             for c in e["choices"]:
@@ -107,10 +109,10 @@ def test_c05_c06_stop_strings(gateway):
     assert gateway.wait_idle(timeout=10)["running"] == 0  # the stop match aborted the backend request
 
 
-# ----------------------------------------------------------------------------- C08 finish_reason
+# ----------------------------------------------------------------------------- finish_reason
 
 
-def test_c08_finish_reason(gateway):
+def test_finish_reason_length_and_stop_wins_on_last_token(gateway):
     # (a) length, with exactly max_tokens completion tokens; EOS gives "stop"
     a, eos = _parallel(lambda: _nonstream(gateway, chat_body(gateway, "Explain gravity in detail.", max_tokens=3, temperature=0)),
                        lambda: _nonstream(gateway, chat_body(gateway, "What is the capital of France?", max_tokens=32, temperature=0)))
@@ -134,7 +136,7 @@ def test_c08_finish_reason(gateway):
     assert b_stream.finish_reasons()[-1] == "stop" and b_stream.content() == prefix[:-k]
 
 
-# ----------------------------------------------------------------------------- C09, C21 chunk sequences
+# ----------------------------------------------------------------------------- chunk sequences
 
 
 def _check_chunk_sequence(res, n):
@@ -157,7 +159,7 @@ def _check_chunk_sequence(res, n):
     assert all(v == 1 for v in finals.values()), finals
 
 
-def test_c09_c21_chunks_n2(gateway):
+def test_chunk_finish_reason_and_choice_index_n2(gateway):
     body = chat_body(gateway, "Tell me a short story.", n=2, temperature=0.8, max_tokens=5, stream_options={"include_usage": True})
     plain = dict(body)
     plain.pop("stream_options")
@@ -177,10 +179,10 @@ def test_c09_c21_chunks_n2(gateway):
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
 
 
-# ----------------------------------------------------------------------------- C11, C12, C14 messages
+# ----------------------------------------------------------------------------- messages
 
 
-def test_c11_c12_c14_messages(gateway):
+def test_same_role_twice_text_parts_and_assistant_prefill(gateway):
     sys_uu = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Capital of Ontario?"},
               {"role": "user", "content": "And its history?"}]
     aa = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "assistant", "content": "How can I help?"},
@@ -193,14 +195,14 @@ def test_c11_c12_c14_messages(gateway):
                                   (fruit, {"continue_final_message": True, "add_generation_prompt": False})]])
     for x in r:
         assert x.status_code == 200, x.text
-    # C12: all parts reach the prompt, joined by "\n" (same prompt and output as the joined string)
+    # text parts: all parts reach the prompt, joined by "\n" (same prompt and output as the joined string)
     assert r[2].json()["usage"]["prompt_tokens"] == r[3].json()["usage"]["prompt_tokens"]
     assert _content(r[2].json()) == _content(r[3].json())
     bad = post_json(gateway, CHAT, chat_body(gateway, messages=[{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[1].type"
     assert bad.json()["error"]["type"] == "invalid_request_error"
-    # C14: the prompt ends with "The fruit is" (no end marker, no new header): same as a raw completion of that text
+    # assistant prefill: the prompt ends with "The fruit is" (no end marker, no new header): same as a raw completion of that text
     from templating import ChatTemplate, cached_tokenizer
     from backend.model_path import default_model_path
 
@@ -214,11 +216,11 @@ def test_c11_c12_c14_messages(gateway):
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
 
 
-# ----------------------------------------------------------------------------- C15, C16 determinism
+# ----------------------------------------------------------------------------- determinism
 
 
 @pytest.mark.timeout(900)  # generous only for overloaded shared machines
-def test_c15_batch_invariance(gateway):
+def test_greedy_output_independent_of_batch(gateway):
     body = chat_body(gateway, "List three colors.", max_tokens=16, temperature=0, logprobs=True)
 
     def ids(d):
@@ -233,7 +235,7 @@ def test_c15_batch_invariance(gateway):
         assert ids(res[0]) == alone
 
 
-def test_c16_seeds(gateway):
+def test_seeds_unseeded_differ_seeded_repeat_choices_differ(gateway):
     base = dict(max_tokens=12, temperature=0.8)
     p = "Write a creative name for a pet."
     res = _parallel(*[lambda: _nonstream(gateway, chat_body(gateway, p, **base)) for _ in range(3)],
@@ -250,10 +252,10 @@ def test_c16_seeds(gateway):
     assert _content(res[5]) == _content(res[6])  # negative seeds are valid and deterministic (docs/gateway.md)
 
 
-# ----------------------------------------------------------------------------- C18, C23 rejected before scheduling
+# ----------------------------------------------------------------------------- rejected before scheduling
 
 
-def test_c18_logit_bias(gateway):
+def test_bad_logit_bias_rejected_then_next_request_ok(gateway):
     for bias in ({"999999": 5}, {"-1": 1}, {"49152": 1}, {"abc": 1}, {"50": 150}, {"50": -100.5}):
         r = post_json(gateway, CHAT, chat_body(gateway, "hi", logit_bias=bias, max_tokens=2))
         assert r.status_code == 400, (bias, r.text)
@@ -264,7 +266,7 @@ def test_c18_logit_bias(gateway):
     assert gateway.stats()["running"] == 0
 
 
-def test_c23_context_length(gateway):
+def test_context_length_exceeded_is_400_before_any_stream(gateway):
     long = "hello " * 9000  # > 8192 tokens
     for stream in (False, True):
         body = chat_body(gateway, long, max_tokens=8)
