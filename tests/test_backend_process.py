@@ -84,8 +84,8 @@ class Client:
 def backend(tmp_path_factory, model_path):
     path = str(tmp_path_factory.mktemp("be") / "backend.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{path}", "--num-kv-blocks", "64",
-         "--max-num-seqs", "8", "--max-num-batched-tokens", "256"],
+        [sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{path}", "--dtype", "float32",
+         "--num-kv-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"],
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
@@ -237,7 +237,8 @@ def test_abort_and_disconnect_free_blocks(backend):
 def test_shutdown_exits_zero(tmp_path, model_path):
     path = str(tmp_path / "b.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{path}", "--num-kv-blocks", "16"],
+        [sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{path}", "--dtype", "float32",
+         "--num-kv-blocks", "16"],
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
