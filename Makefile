@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test test-fast sysdeps bench clean
+.PHONY: install serve test sysdeps bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -42,7 +42,7 @@ serve: $(STAMP) $(VENV)/.cpukernels
 	$(VPY) -m gateway serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP) $(VENV)/.cpukernels $(VENV)/.cuda sysdeps
-	$(VPY) -m pytest -q --durations=25 tests
+	LLM_GATEWAY_REQUIRE_SYSDEPS=1 $(VPY) -m pytest -q --durations=25 tests
 
 bench: $(STAMP) $(VENV)/.cpukernels
 	$(VPY) bench/engine.py

@@ -9,6 +9,8 @@ Area-specific fixtures live in ``tests/plugins/`` and are registered below.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,23 @@ def chat_fixtures() -> list[dict]:
 @pytest.fixture(scope="session")
 def tokenizer_fixtures() -> list[dict]:
     return json.loads((FIXTURES / "smollm2_tokenizer.json").read_text())["texts"]
+
+def _missing_system_packages() -> list[str]:
+    """The system programs some tests run for real (installed by ``scripts/sysdeps.sh``) that are absent."""
+    missing = [] if shutil.which("redis-server") else ["redis-server"]
+    if not os.access("/usr/bin/chromium", os.X_OK):
+        missing.append("chromium")
+    if not (shutil.which("nginx") or os.access("/usr/sbin/nginx", os.X_OK)):
+        missing.append("nginx")
+    return missing
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With ``LLM_GATEWAY_REQUIRE_SYSDEPS=1`` (``make test`` sets it) a missing system package stops the run:
+    the Redis, browser and proxy tests would otherwise be skipped and the suite pass without them."""
+    if os.environ.get("LLM_GATEWAY_REQUIRE_SYSDEPS") == "1" and (missing := _missing_system_packages()):
+        pytest.exit(f"system packages missing: {', '.join(missing)} (run scripts/sysdeps.sh)", returncode=3)
+
 
 # Area plugins (tests/ is on sys.path through this rootdir conftest).
 pytest_plugins = ["plugins.gateway_server"]
