@@ -3,6 +3,8 @@
 Routes:
     POST /v1/chat/completions, POST /v1/completions   (stream or not; see docs/gateway.md)
     GET  /v1/models                                   model card (context length, quantization, device...)
+    GET  /v1/models/{model_id}                        one model, the same object as its /v1/models entry; 404 if unknown
+    GET  /health                                      liveness as in vLLM: 200, empty body, while the process runs
     GET  /healthz                                     200 while the process runs
     GET  /readyz                                      200 when a backend is ready and we are not draining, else 503
     GET  /admin/v1/stats                              engine counters (Bearer admin key)
@@ -391,21 +393,51 @@ async def completions(request: Request) -> Any:
     return CallResponse(gen.stream if req.stream else gen.complete)
 
 
+def model_object(gw: Gateway, name: str, card: Any) -> dict[str, Any]:
+    """The model object of served name ``name`` with ``card`` (``gw.card``): OpenAI's Model
+    (id/object/created/owned_by) plus the card's extension members (context length, quantization, dtype,
+    device...). One entry of ``GET /v1/models`` and the body of ``GET /v1/models/{model_id}``."""
+    return {
+        "id": name, "object": "model", "created": gw.started, "owned_by": "gateway",
+        "context_length": card.context_length, "max_model_len": card.context_length,
+        "quantization": card.quantization, "dtype": card.dtype, "device": card.device,
+        "attention_backend": card.attention_backend, "architecture": card.architecture,
+        "vocab_size": card.vocab_size,
+    }
+
+
 async def list_models(request: Request) -> Response:
-    """GET /v1/models: the served model with its card (extension members beyond OpenAI's id/object/created/owned_by)."""
+    """GET /v1/models (OpenAI "List models"): the served model and its aliases, each with the card
+    (extension members beyond OpenAI's id/object/created/owned_by, see :func:`model_object`).
+    Raises ``ServiceUnavailable`` (503) while no backend is ready."""
     gw: Gateway = request.app.state.gateway
     await gw.authenticate(request)
     card = gw.card
-    data = []
-    for name in gw.model_names():
-        data.append({
-            "id": name, "object": "model", "created": gw.started, "owned_by": "gateway",
-            "context_length": card.context_length, "max_model_len": card.context_length,
-            "quantization": card.quantization, "dtype": card.dtype, "device": card.device,
-            "attention_backend": card.attention_backend, "architecture": card.architecture,
-            "vocab_size": card.vocab_size,
-        })
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [model_object(gw, name, card) for name in gw.model_names()]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{model_id} (OpenAI API reference "Retrieve model"; ``client.models.retrieve(model_id)``
+    in the official SDK): the same object as that model's entry of ``GET /v1/models``. Needs a tenant key,
+    like /v1/models (the tenancy middleware answers 401 first). ``model_id`` is a ``path`` parameter: a
+    served name may hold ``/`` (``org/model``; the SDK sends it as ``org%2Fmodel``, which the server decodes)
+    or ``.``.
+
+    Raises:
+        NotFound: 404 ``model_not_found`` (param ``model``) for a name that is not served, as the chat
+            handlers answer an unknown ``model`` (:meth:`Gateway.check_model`).
+        ServiceUnavailable: 503 while no backend is ready.
+    """
+    gw: Gateway = request.app.state.gateway
+    await gw.authenticate(request)
+    name = gw.check_model(request.path_params["model_id"])
+    return JSONResponse(model_object(gw, name, gw.card))
+
+
+async def health(request: Request) -> Response:
+    """GET /health (HEAD too): liveness, 200 with an empty body while the process runs, as vLLM's /health.
+    Public (no key) and answered during a drain; readiness (a backend up, not draining) is /readyz."""
+    return Response(status_code=200)
 
 
 async def healthz(request: Request) -> Response:
@@ -484,6 +516,8 @@ def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/admin/v1/stats", admin_stats, methods=["GET"]),

@@ -556,7 +556,7 @@ class OllamaAPI:
         return JSONResponse({"models": [e]})
 
     async def version(self, request: Request) -> JSONResponse:
-        """GET /api/version (no auth, as in Ollama)."""
+        """GET /api/version (no auth, as in Ollama: public in ``gateway.tenancy.PUBLIC_PATHS``)."""
         return JSONResponse({"version": OLLAMA_VERSION})
 
     async def show(self, request: Request) -> JSONResponse:

@@ -189,13 +189,13 @@ async def _plugins(gw: Gateway, args: argparse.Namespace, nursery: trio.Nursery)
 
 class DrainGate:
     """ASGI middleware: counts HTTP requests in flight and, once the pool is draining (SIGINT/SIGTERM), answers
-    every new one except the probes and monitoring (``/healthz``, ``/readyz``, ``/metrics``, ``/admin/v1/stats``,
-    which shows ``draining``) with 503 ``server_shutting_down``, ``Retry-After`` and
+    every new one except the probes and monitoring (``/health`` and ``/healthz`` 200, ``/readyz`` 503, ``/metrics``,
+    ``/admin/v1/stats``, which shows ``draining``) with 503 ``server_shutting_down``, ``Retry-After`` and
     ``Connection: close`` in OpenAI's error shape, without reading it (a load balancer or client retries
     elsewhere or later). ``idle()`` returns once nothing admitted is in flight (the drain is over)."""
 
     RETRY_AFTER_S = 5
-    PROBES = ("/healthz", "/readyz", "/metrics", "/admin/v1/stats")
+    PROBES = ("/health", "/healthz", "/readyz", "/metrics", "/admin/v1/stats")
 
     def __init__(self, app: Any, pool: BackendPool) -> None:
         self.app = app

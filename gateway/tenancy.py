@@ -52,9 +52,10 @@ DEFAULT_DB_PATH = "./data/gateway.db"
 QUERY_KEY_PARAMS = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token", "auth",
                               "authorization", "bearer", "secret", "password"})
 # Exactly what the gateway serves without a key (gateway/server.py: the playground is GET / and /static/*;
-# /metrics: docs/observability.md). Any other path, unknown ones included, needs a key first, so that an
-# unauthenticated client learns nothing, not even a 404.
-PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/openapi.json"})
+# /metrics: docs/observability.md; /health: liveness as vLLM's /health; /api/version: no auth, as in Ollama).
+# Matched exactly (see classify_path): any other path, unknown ones, aliases and ``..`` forms included, needs
+# a key first, so that an unauthenticated client learns nothing, not even a 404.
+PUBLIC_PATHS = frozenset({"/", "/health", "/healthz", "/readyz", "/metrics", "/openapi.json", "/api/version"})
 PUBLIC_PREFIXES = ("/static/",)
 
 
@@ -156,7 +157,9 @@ def classify_path(path: str, method: str = "GET", *, public_paths: frozenset[str
                   public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES) -> str:
     """``"public"``, ``"admin"`` or ``"tenant"`` for a request path (the strictest of the raw and the
     normalized path wins: a path is public only if both forms are; admin if either form is under /admin).
-    OPTIONS (CORS preflight) is public. Unknown paths are ``tenant`` so a 404 never leaks before auth."""
+    Public means an exact member of ``public_paths`` (``/health/`` or ``/health/../admin`` is not) or a
+    ``..``/``//``-free path under ``public_prefixes``. OPTIONS (CORS preflight) is public. Unknown paths are
+    ``tenant`` so a 404 never leaks before auth."""
     if method.upper() == "OPTIONS":
         return "public"
     norm = normalize_path(path)
@@ -658,8 +661,9 @@ class TenancyMiddleware:
     """Pure ASGI middleware: authenticates every HTTP request that is not public, before routing.
 
     * redacts credential-like query parameters from ``scope["query_string"]`` in place (access logs);
-    * ``public`` paths (``/``, ``/healthz``, ``/readyz``, ``/openapi.json``, static/playground files, OPTIONS)
-      pass; ``/admin/...`` requires the admin key (:meth:`Tenancy.require_admin`); everything else -- aliases,
+    * ``public`` paths (:data:`PUBLIC_PATHS` exactly: ``/``, ``/health``, ``/healthz``, ``/readyz``,
+      ``/metrics``, ``/openapi.json``, ``/api/version``; static/playground files; OPTIONS) pass;
+      ``/admin/...`` requires the admin key (:meth:`Tenancy.require_admin`); everything else -- aliases,
       trailing slashes, ``..`` paths, unknown paths -- requires a tenant key, and the principal is put in
       ``scope["state"]["principal"]`` (``request.state.principal`` in starlette).
     Errors are answered here with OpenAI's body (401/403). With ``rate_limit_headers`` (default) every
