@@ -9,7 +9,7 @@ Lifecycle:
 3. HTTP: ``hypercorn.trio.serve`` on ``--host``/``--port``; a curl example is printed when ready.
 4. SIGINT/SIGTERM: drain. The listener stays open and every new request (new connection or kept-alive)
    is answered 503 ``server_shutting_down`` with ``Retry-After`` and ``Connection: close`` (``DrainGate``;
-   /healthz 200, /readyz 503, /metrics and /admin/v1/stats still answer), while in-flight requests run on for up to ``--drain-timeout`` seconds; when
+   /health and /healthz 200, /readyz 503, /metrics and /admin/v1/stats still answer), while in-flight requests run on for up to ``--drain-timeout`` seconds; when
    the last one ends (or the time is up) hypercorn stops (1 s more grace, then the rest is cancelled),
    then backends get ``Shutdown`` (bounded wait, then SIGKILL). A second signal exits at once.
 """
