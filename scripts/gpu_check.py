@@ -1,11 +1,12 @@
-"""GPU check of kernels_cupy (issue 6): correctness, bandwidth, end-to-end tokens, engine throughput.
+"""GPU check of kernels_cupy: correctness, bandwidth, end-to-end tokens, engine throughput.
 
 Run through ``scripts/gpu_check.sh`` (which picks the python, installs carried wheels and tees the log).
 Sections (``--parts``, default all): ``kernels`` (every kernel vs a float64 torch reference and
 ``backend.attention.torch_ref.TorchAttention`` on fresh random ragged inputs, NaN-poisoned outputs),
 ``bandwidth`` (decode-attention K/V bytes read per second vs a device-to-device copy measured in the same
-run), ``e2e`` (greedy tokens + logits of ModelRunner with the cupy and torch backends vs the fixtures),
-``engine`` (aggregate decode tokens/s through backend.engine.Engine at batch 1, 64, 256).
+run), ``e2e`` (greedy tokens + logits of ModelRunner with the cupy and torch backends vs the reference
+fixtures in ``$GPU_CHECK_FIXTURES``, else ``tests/fixtures``), ``engine`` (aggregate decode tokens/s
+through backend.engine.Engine at batch 1, 64, 256).
 
 Writes ``$OUT/gpu_check.json`` (every figure) when ``--out``/``$OUT`` is set; prints a table last.
 Exit status: 0 all checks pass, 1 a check failed, 2 no CUDA GPU (said in one line, no traceback).

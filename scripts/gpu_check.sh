@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# GPU check of kernels_cupy (issue 6): kernels vs reference, decode bandwidth vs copy, end-to-end tokens,
+# GPU check of kernels_cupy: kernels vs reference, decode bandwidth vs copy, end-to-end tokens,
 # engine decode tokens/s. Prints a table last; writes $OUT/gpu_check.json and $OUT/gpu_check.log when
 # $OUT is set. Exit 0: all pass; 1: a check failed; 2: no CUDA GPU (one line, no traceback).
 #   usage: scripts/gpu_check.sh [--parts kernels,bandwidth,e2e,engine] [--quick]
 #   env:   PYTHON (default: /opt/torch/.venv/bin/python3, then .venv/bin/python, then python3)
 #          GATEWAY_MODEL (model file; default backend.model_path.default_model_path())
-# Wheels carried in .whl/ (msgspec, gguf, ... for the device machine) are installed into /tmp/site when the
-# python lacks them.
+#          GPU_CHECK_FIXTURES (folder holding smollm2_chats.json; default tests/fixtures)
+# Wheels carried in .whl/ (msgspec, gguf, ... for a GPU machine without them) are installed into /tmp/site
+# when the python lacks them.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-}
