@@ -3,13 +3,16 @@
 Usage::
 
     python bench/serve_modes.py [--dtypes default,float32] [--concurrency 1,32] [--prompt-tokens 128]
-        [--output-tokens 128] [--requests-per-stream 2] [--append-perf]
+        [--output-tokens 128] [--requests-per-stream 2] [--peer-url http://127.0.0.1:8080 --peer-name llama-server]
+        [--append-perf]
 
 For each dtype (``default`` = no ``--dtype`` flag, what ``make serve`` runs) it starts
 ``python -m gateway serve`` on a free loopback port with a fresh SQLite tenancy database and an admin key,
 creates a tenant key through the admin API, runs ``bench/serve.py``'s closed loop (streaming, distinct
 prompts, ``ignore_eos``) at each concurrency with ``max(8, concurrency * requests-per-stream)`` requests,
-and stops the gateway. Prints a markdown table (output tokens/s, TTFT, TPOT, ITL in ms) and with
+and stops the gateway. With ``--peer-url`` an OpenAI-compatible server that is already running (e.g.
+``llama-server -m <same GGUF> -np 32 -t <cores>``) is measured the same way in the same run, so each mode's
+figures read as a ratio to the peer's. Prints a markdown table (output tokens/s, TTFT, TPOT, ITL in ms) and with
 ``--append-perf`` appends it to ``docs/perf.md`` with the date, machine and command.
 
 Exit status 1 when a gateway does not start or a run has errors.
@@ -80,23 +83,30 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--peer-url", default=None, help="also measure this running OpenAI-compatible server")
+    ap.add_argument("--peer-name", default="peer")
     ap.add_argument("--append-perf", action="store_true", help="append the table to docs/perf.md")
     args = ap.parse_args()
-    rows, failed = [], False
+    rows: list[str] = []
+    failed = False
     tmp = tempfile.mkdtemp(prefix="bench-modes-")
+
+    def measure(label: str, base: str, key: str) -> None:
+        nonlocal failed
+        for c in (int(x) for x in args.concurrency.split(",")):
+            res = trio.run(serve_bench.run, serve_bench_args(base, key, c, max(8, c * args.requests_per_stream), args))
+            failed |= res["errors"] > 0
+            t, p, i = res["ttft_ms"], res["tpot_ms"], res["itl_ms"]
+            rows.append(f"| {label} | {c} | {res['ok']}/{res['requests']} | {res['output_tokens_per_s']:.1f} | "
+                        f"{t['p50']:.0f} / {t['p99']:.0f} | {p['p50']:.1f} | {i['p50']:.1f} / {i['p99']:.1f} |")
+            print(rows[-1], flush=True)
+
+    if args.peer_url:
+        measure(args.peer_name, args.peer_url, "")
     for dtype in args.dtypes.split(","):
         proc, base, key, served = start(dtype, tmp)
         try:
-            for c in (int(x) for x in args.concurrency.split(",")):
-                n = max(8, c * args.requests_per_stream)
-                bargs = serve_bench_args(base, key, c, n, args)
-                res = trio.run(serve_bench.run, bargs)
-                failed |= res["errors"] > 0
-                t, p, i = res["ttft_ms"], res["tpot_ms"], res["itl_ms"]
-                label = f"{served} ({'default' if dtype == 'default' else '--dtype ' + dtype})"
-                rows.append(f"| {label} | {c} | {res['ok']}/{res['requests']} | {res['output_tokens_per_s']:.1f} | "
-                            f"{t['p50']:.0f} / {t['p99']:.0f} | {p['p50']:.1f} | {i['p50']:.1f} / {i['p99']:.1f} |")
-                print(rows[-1], flush=True)
+            measure(f"{served} ({'default' if dtype == 'default' else '--dtype ' + dtype})", base, key)
         finally:
             proc.terminate()
             proc.wait(60)
@@ -107,13 +117,24 @@ def main() -> int:
     if args.append_perf:
         load = os.getloadavg()[0]
         cmd = "python bench/serve_modes.py " + " ".join(sys.argv[1:])
-        entry = (f"\n## HTTP serve bench by mode {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-                 f"- machine: {platform.node() and 'vm'} {platform.machine()} {os.cpu_count()} CPUs, load avg {load:.1f} at start of write\n"
+        entry = (f"\n### HTTP serve bench by mode {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+                 f"- machine: {_cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs, load avg {load:.1f} at the end\n"
                  f"- command: `{cmd}` (prompt {args.prompt_tokens} / output {args.output_tokens} tokens, streaming, closed loop)\n\n"
                  f"{table}\n")
         with open(ROOT / "docs" / "perf.md", "a") as f:
             f.write(entry)
     return 1 if failed else 0
+
+
+def _cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (``"unknown CPU"`` elsewhere)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def serve_bench_args(base: str, key: str, concurrency: int, n: int, args: argparse.Namespace) -> argparse.Namespace:
