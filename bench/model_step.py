@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,17 +34,10 @@ from backend.batch import SeqChunk  # noqa: E402
 from backend.model_path import default_model_path  # noqa: E402
 from backend.model_runner import ModelRunner  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_name  # noqa: E402  (bench/machine.py)
+
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::linear")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _sync() -> None:
@@ -160,7 +152,7 @@ def main() -> None:
             "",
             f"## model step (ModelRunner.execute) — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
             "",
-            f"- machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+            f"- machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), device {args.device}"
             + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
             + f", attention {args.attention}",

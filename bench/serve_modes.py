@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve as serve_bench  # noqa: E402  (bench/serve.py)
+from machine import cpu_name  # noqa: E402  (bench/machine.py)
 
 
 def _free_port() -> int:
@@ -118,23 +119,12 @@ def main() -> int:
         load = os.getloadavg()[0]
         cmd = "python bench/serve_modes.py " + " ".join(sys.argv[1:])
         entry = (f"\n### HTTP serve bench by mode {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-                 f"- machine: {_cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs, load avg {load:.1f} at the end\n"
+                 f"- machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs, load avg {load:.1f} at the end\n"
                  f"- command: `{cmd}` (prompt {args.prompt_tokens} / output {args.output_tokens} tokens, streaming, closed loop)\n\n"
                  f"{table}\n")
         with open(ROOT / "docs" / "perf.md", "a") as f:
             f.write(entry)
     return 1 if failed else 0
-
-
-def _cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (``"unknown CPU"`` elsewhere)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def serve_bench_args(base: str, key: str, concurrency: int, n: int, args: argparse.Namespace) -> argparse.Namespace:
