@@ -204,7 +204,7 @@ def test_text_stream_pipeline(tok):
     assert (text, matched) == ("done ", False)
     assert ts.finish() == "<EN" and ts.finish() == ""
 
-    c01 = "Xin chào 你好 🙂👍🏽"
+    mixed = "Xin chào 你好 🙂👍🏽"
     ts = TextStream(tok)
-    parts = [ts.feed(i)[0] for i in tok.encode_plain(c01)]
-    assert "".join(parts) + ts.finish() == c01
+    parts = [ts.feed(i)[0] for i in tok.encode_plain(mixed)]
+    assert "".join(parts) + ts.finish() == mixed
