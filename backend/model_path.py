@@ -12,7 +12,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The compute/KV dtype of ``python -m backend`` (and so of ``python -m gateway serve`` and ``make serve``)
 # when no ``--dtype`` is given, on CPU and CUDA alike. On CPU bfloat16 is the fast mode: packed int4 matmuls
 # from the Q4_1 codes for steps of <= 4 tokens, a per-row int8 LM head, oneDNN bf16 GEMMs for larger steps
-# (logits within ~0.35 of the float32 reference; greedy output may change with batch composition).
+# (logits within 0.4 of the float32 reference; greedy output may change with batch composition).
 # ``float32`` is the exact mode: logits within 1e-3 of the reference, greedy output invariant to batching.
 DEFAULT_DTYPE = "bfloat16"
 
