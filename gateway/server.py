@@ -144,7 +144,7 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
         name = gw.model_names()[0] if gw.model_names() else "model"
         print(f"Gateway ready on {base} (model {name!r}, backends: {', '.join(s.url for s in sups)})\n"
               f"  curl {base}/v1/chat/completions -H \"Authorization: Bearer $API_KEY\" -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+              f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 100}}'",
               flush=True)
         if gw.tenancy is not None:
             key = gw.tenancy.default_key
