@@ -56,25 +56,31 @@ def start(dtype: str, tmp: str) -> tuple[subprocess.Popen, str, str, str]:
     port, admin = _free_port(), "adm-" + os.urandom(8).hex()
     cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--admin-key", admin,
            "--db", os.path.join(tmp, f"bench-{dtype}.db")] + ([] if dtype == "default" else ["--dtype", dtype])
-    log = open(os.path.join(tmp, f"gateway-{dtype}.log"), "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log_path = os.path.join(tmp, f"gateway-{dtype}.log")
+    with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"gateway ({dtype}) did not start; log: {log.name}")
+            raise RuntimeError(f"gateway ({dtype}) did not start; log: {log_path}")
         try:
             if httpx.get(base + "/readyz", timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    a = {"Authorization": f"Bearer {admin}"}
-    tid = httpx.post(base + "/admin/v1/tenants", json={"name": "bench"}, headers=a, timeout=30).json()["id"]
-    key = httpx.post(base + f"/admin/v1/tenants/{tid}/keys", json={"name": "bench"}, headers=a, timeout=30).json()["key"]
-    served = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()["data"][0]["dtype"]
-    return proc, base, key, served
+    try:
+        a = {"Authorization": f"Bearer {admin}"}
+        tid = httpx.post(base + "/admin/v1/tenants", json={"name": "bench"}, headers=a, timeout=30).json()["id"]
+        key = httpx.post(base + f"/admin/v1/tenants/{tid}/keys", json={"name": "bench"}, headers=a, timeout=30).json()["key"]
+        models = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+    except BaseException:
+        proc.terminate()  # its backend exits with it (PR_SET_PDEATHSIG)
+        proc.wait(60)
+        raise
+    return proc, base, key, models["data"][0]["dtype"]
 
 
 def main() -> int:

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backend.protocol import SamplingParams
+from backend.protocol import ModelCard, SamplingParams
 from gateway.errors import (
     APIError,
     AuthenticationError,
@@ -115,7 +115,8 @@ class Gateway:
         return s
 
     @property
-    def card(self):
+    def card(self) -> ModelCard:
+        """The backends' model card. Raises ``ServiceUnavailable`` (503) while no backend is ready."""
         card = self.pool.card
         if card is None:
             raise ServiceUnavailable("No inference backend is ready yet.")
@@ -393,7 +394,7 @@ async def completions(request: Request) -> Any:
     return CallResponse(gen.stream if req.stream else gen.complete)
 
 
-def model_object(gw: Gateway, name: str, card: Any) -> dict[str, Any]:
+def model_object(gw: Gateway, name: str, card: ModelCard) -> dict[str, Any]:
     """The model object of served name ``name`` with ``card`` (``gw.card``): OpenAI's Model
     (id/object/created/owned_by) plus the card's extension members (context length, quantization, dtype,
     device...). One entry of ``GET /v1/models`` and the body of ``GET /v1/models/{model_id}``."""
