@@ -43,4 +43,6 @@ def redact(text: str) -> str:
     """Replace anything that looks like one of our keys by its visible prefix + ``...`` (for safe logging)."""
     import re
 
-    return re.sub(r"sk-gw-[A-Za-z0-9_\-]{4}[A-Za-z0-9_\-]*", lambda m: m.group(0)[:VISIBLE_CHARS] + "...", text)
+    return re.sub(
+        r"sk-gw-[A-Za-z0-9_\-]{4}[A-Za-z0-9_\-]*", lambda m: m.group(0)[:VISIBLE_CHARS] + "...", text
+    )

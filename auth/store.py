@@ -91,8 +91,15 @@ class TenantRecord:
     deleted_at: float | None = None
 
     def public(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "tenant", "name": self.name, "disabled": self.disabled,
-                "created_at": self.created_at, "limits": self.limits.to_dict(), "filters": self.filters}
+        return {
+            "id": self.id,
+            "object": "tenant",
+            "name": self.name,
+            "disabled": self.disabled,
+            "created_at": self.created_at,
+            "limits": self.limits.to_dict(),
+            "filters": self.filters,
+        }
 
 
 @dataclass
@@ -108,9 +115,17 @@ class KeyRecord:
     hash: str = field(default="", repr=False)
 
     def public(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "api_key", "tenant_id": self.tenant_id, "name": self.name,
-                "prefix": self.prefix, "created_at": self.created_at, "expires_at": self.expires_at,
-                "revoked_at": self.revoked_at, "limits": self.limits.to_dict() if self.limits else None}
+        return {
+            "id": self.id,
+            "object": "api_key",
+            "tenant_id": self.tenant_id,
+            "name": self.name,
+            "prefix": self.prefix,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "revoked_at": self.revoked_at,
+            "limits": self.limits.to_dict() if self.limits else None,
+        }
 
 
 class Store:
@@ -159,15 +174,30 @@ class Store:
     # -- rows -----------------------------------------------------------------------------------------
     @staticmethod
     def _tenant(r: sqlite3.Row) -> TenantRecord:
-        return TenantRecord(r["id"], r["name"], bool(r["disabled"]), r["created_at"],
-                            Limits.from_dict(json.loads(r["limits"] or "{}")), json.loads(r["filters"] or "{}"),
-                            r["deleted_at"])
+        return TenantRecord(
+            r["id"],
+            r["name"],
+            bool(r["disabled"]),
+            r["created_at"],
+            Limits.from_dict(json.loads(r["limits"] or "{}")),
+            json.loads(r["filters"] or "{}"),
+            r["deleted_at"],
+        )
 
     @staticmethod
     def _key(r: sqlite3.Row) -> KeyRecord:
         lim = json.loads(r["limits"]) if r["limits"] else None
-        return KeyRecord(r["id"], r["tenant_id"], r["name"], r["prefix"], r["created_at"], r["expires_at"],
-                         r["revoked_at"], Limits.from_dict(lim) if lim else None, r["hash"])
+        return KeyRecord(
+            r["id"],
+            r["tenant_id"],
+            r["name"],
+            r["prefix"],
+            r["created_at"],
+            r["expires_at"],
+            r["revoked_at"],
+            Limits.from_dict(lim) if lim else None,
+            r["hash"],
+        )
 
     # -- tenants --------------------------------------------------------------------------------------
     def count_tenants(self) -> int:
@@ -180,7 +210,14 @@ class Store:
         try:
             self.conn.execute(
                 "INSERT INTO tenants(id, name, created_at, limits, filters) VALUES (?,?,?,?,?)",
-                (tid, name, now, json.dumps((limits or Limits()).to_dict()), json.dumps(filters if filters is not None else {})))
+                (
+                    tid,
+                    name,
+                    now,
+                    json.dumps((limits or Limits()).to_dict()),
+                    json.dumps(filters if filters is not None else {}),
+                ),
+            )
         except sqlite3.IntegrityError:
             raise ValueError(f"tenant name {name!r} already exists") from None
         t = self.get_tenant(tid)
@@ -188,30 +225,48 @@ class Store:
         return t
 
     def get_tenant(self, id_or_name: str, *, include_deleted: bool = False) -> TenantRecord | None:
-        r = self.conn.execute("SELECT * FROM tenants WHERE id = ? OR name = ?", (id_or_name, id_or_name)).fetchone()
+        r = self.conn.execute(
+            "SELECT * FROM tenants WHERE id = ? OR name = ?", (id_or_name, id_or_name)
+        ).fetchone()
         if r is None or (r["deleted_at"] is not None and not include_deleted):
             return None
         return self._tenant(r)
 
     def list_tenants(self) -> list[TenantRecord]:
-        return [self._tenant(r) for r in self.conn.execute(
-            "SELECT * FROM tenants WHERE deleted_at IS NULL ORDER BY created_at, id")]
+        return [
+            self._tenant(r)
+            for r in self.conn.execute(
+                "SELECT * FROM tenants WHERE deleted_at IS NULL ORDER BY created_at, id"
+            )
+        ]
 
-    def update_tenant(self, tid: str, *, name: str | None = None, disabled: bool | None = None,
-                      limits: Limits | None = None, filters: Any = ..., ) -> TenantRecord | None:
+    def update_tenant(
+        self,
+        tid: str,
+        *,
+        name: str | None = None,
+        disabled: bool | None = None,
+        limits: Limits | None = None,
+        filters: Any = ...,
+    ) -> TenantRecord | None:
         sets, args = [], []
         if name is not None:
-            sets.append("name = ?"); args.append(name)
+            sets.append("name = ?")
+            args.append(name)
         if disabled is not None:
-            sets.append("disabled = ?"); args.append(int(disabled))
+            sets.append("disabled = ?")
+            args.append(int(disabled))
         if limits is not None:
-            sets.append("limits = ?"); args.append(json.dumps(limits.to_dict()))
+            sets.append("limits = ?")
+            args.append(json.dumps(limits.to_dict()))
         if filters is not ...:
-            sets.append("filters = ?"); args.append(json.dumps(filters))
+            sets.append("filters = ?")
+            args.append(json.dumps(filters))
         if sets:
             try:
-                self.conn.execute(f"UPDATE tenants SET {', '.join(sets)} WHERE id = ? AND deleted_at IS NULL",
-                                  (*args, tid))
+                self.conn.execute(
+                    f"UPDATE tenants SET {', '.join(sets)} WHERE id = ? AND deleted_at IS NULL", (*args, tid)
+                )
             except sqlite3.IntegrityError:
                 raise ValueError(f"tenant name {name!r} already exists") from None
         return self.get_tenant(tid)
@@ -221,9 +276,14 @@ class Store:
         now = time.time()
         self.conn.execute("BEGIN IMMEDIATE")
         try:
-            n = self.conn.execute("UPDATE tenants SET deleted_at = ?, disabled = 1, name = name || '#deleted-' || id "
-                                  "WHERE id = ? AND deleted_at IS NULL", (now, tid)).rowcount
-            self.conn.execute("UPDATE api_keys SET revoked_at = ? WHERE tenant_id = ? AND revoked_at IS NULL", (now, tid))
+            n = self.conn.execute(
+                "UPDATE tenants SET deleted_at = ?, disabled = 1, name = name || '#deleted-' || id "
+                "WHERE id = ? AND deleted_at IS NULL",
+                (now, tid),
+            ).rowcount
+            self.conn.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE tenant_id = ? AND revoked_at IS NULL", (now, tid)
+            )
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
@@ -231,15 +291,30 @@ class Store:
         return n > 0
 
     # -- keys -----------------------------------------------------------------------------------------
-    def create_key(self, tenant_id: str, *, name: str | None = None, expires_at: float | None = None,
-                   limits: Limits | None = None) -> tuple[str, KeyRecord]:
+    def create_key(
+        self,
+        tenant_id: str,
+        *,
+        name: str | None = None,
+        expires_at: float | None = None,
+        limits: Limits | None = None,
+    ) -> tuple[str, KeyRecord]:
         """Returns ``(secret_key, record)``; the secret is not stored (only its SHA-256)."""
         key, prefix, digest = generate_key()
         kid = new_id("key")
         self.conn.execute(
             "INSERT INTO api_keys(id, tenant_id, name, prefix, hash, created_at, expires_at, limits) VALUES (?,?,?,?,?,?,?,?)",
-            (kid, tenant_id, name, prefix, digest, time.time(), expires_at,
-             json.dumps(limits.to_dict()) if limits else None))
+            (
+                kid,
+                tenant_id,
+                name,
+                prefix,
+                digest,
+                time.time(),
+                expires_at,
+                json.dumps(limits.to_dict()) if limits else None,
+            ),
+        )
         rec = self.get_key(kid)
         assert rec is not None
         return key, rec
@@ -249,24 +324,35 @@ class Store:
         return self._key(r) if r else None
 
     def list_keys(self, tenant_id: str) -> list[KeyRecord]:
-        return [self._key(r) for r in self.conn.execute(
-            "SELECT * FROM api_keys WHERE tenant_id = ? ORDER BY created_at, id", (tenant_id,))]
+        return [
+            self._key(r)
+            for r in self.conn.execute(
+                "SELECT * FROM api_keys WHERE tenant_id = ? ORDER BY created_at, id", (tenant_id,)
+            )
+        ]
 
-    def update_key(self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ...) -> KeyRecord | None:
+    def update_key(
+        self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ...
+    ) -> KeyRecord | None:
         """Change a key's name, expiry (UNIX s or None) or own limits (Limits or None); ``...`` = unchanged."""
         sets, args = [], []
         if name is not ...:
-            sets.append("name = ?"); args.append(name)
+            sets.append("name = ?")
+            args.append(name)
         if expires_at is not ...:
-            sets.append("expires_at = ?"); args.append(expires_at)
+            sets.append("expires_at = ?")
+            args.append(expires_at)
         if limits is not ...:
-            sets.append("limits = ?"); args.append(json.dumps(limits.to_dict()) if limits else None)
+            sets.append("limits = ?")
+            args.append(json.dumps(limits.to_dict()) if limits else None)
         if sets:
             self.conn.execute(f"UPDATE api_keys SET {', '.join(sets)} WHERE id = ?", (*args, key_id))
         return self.get_key(key_id)
 
     def revoke_key(self, key_id: str) -> KeyRecord | None:
-        self.conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id))
+        self.conn.execute(
+            "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)
+        )
         return self.get_key(key_id)
 
     def find_key(self, digest: str) -> tuple[KeyRecord, TenantRecord] | None:
@@ -292,7 +378,8 @@ class Store:
                 " completion_tokens, total_tokens, status, finish_reason, timings) VALUES"
                 " (:ts, :day, :tenant_id, :key_id, :key_prefix, :request_id, :model, :prompt_tokens, :cached_tokens,"
                 " :completion_tokens, :total_tokens, :status, :finish_reason, :timings)",
-                [{**r, "timings": json.dumps(r.get("timings") or {})} for r in rows])
+                [{**r, "timings": json.dumps(r.get("timings") or {})} for r in rows],
+            )
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
@@ -301,27 +388,45 @@ class Store:
     def tokens_on_day(self, *, tenant_id: str | None = None, key_id: str | None = None, day: str) -> int:
         """Total tokens (prompt + completion) billed on ``day`` to a tenant or a key."""
         col, val = ("tenant_id", tenant_id) if tenant_id is not None else ("key_id", key_id)
-        r = self.conn.execute(f"SELECT COALESCE(SUM(total_tokens), 0) FROM usage WHERE {col} = ? AND day = ?",
-                              (val, day)).fetchone()
+        r = self.conn.execute(
+            f"SELECT COALESCE(SUM(total_tokens), 0) FROM usage WHERE {col} = ? AND day = ?", (val, day)
+        ).fetchone()
         return int(r[0])
 
     def usage_summary(self, tenant_id: str, since: float | None, until: float | None) -> dict[str, Any]:
         """Totals and per-UTC-day sums of a tenant's ledger rows with ``since <= ts < until``."""
         where, args = "tenant_id = ?", [tenant_id]
         if since is not None:
-            where += " AND ts >= ?"; args.append(since)
+            where += " AND ts >= ?"
+            args.append(since)
         if until is not None:
-            where += " AND ts < ?"; args.append(until)
-        cols = ("COUNT(*) AS requests, COALESCE(SUM(prompt_tokens),0) AS prompt_tokens, "
-                "COALESCE(SUM(cached_tokens),0) AS cached_tokens, COALESCE(SUM(completion_tokens),0) AS completion_tokens, "
-                "COALESCE(SUM(total_tokens),0) AS total_tokens")
+            where += " AND ts < ?"
+            args.append(until)
+        cols = (
+            "COUNT(*) AS requests, COALESCE(SUM(prompt_tokens),0) AS prompt_tokens, "
+            "COALESCE(SUM(cached_tokens),0) AS cached_tokens, COALESCE(SUM(completion_tokens),0) AS completion_tokens, "
+            "COALESCE(SUM(total_tokens),0) AS total_tokens"
+        )
         tot = dict(self.conn.execute(f"SELECT {cols} FROM usage WHERE {where}", args).fetchone())
-        days = [dict(r) for r in self.conn.execute(
-            f"SELECT day, {cols} FROM usage WHERE {where} GROUP BY day ORDER BY day", args)]
-        return {"object": "usage", "tenant_id": tenant_id, "since": since, "until": until, "totals": tot, "days": days}
+        days = [
+            dict(r)
+            for r in self.conn.execute(
+                f"SELECT day, {cols} FROM usage WHERE {where} GROUP BY day ORDER BY day", args
+            )
+        ]
+        return {
+            "object": "usage",
+            "tenant_id": tenant_id,
+            "since": since,
+            "until": until,
+            "totals": tot,
+            "days": days,
+        }
 
     def usage_rows(self, tenant_id: str, limit: int = 100) -> list[dict[str, Any]]:
-        rows = self.conn.execute("SELECT * FROM usage WHERE tenant_id = ? ORDER BY id DESC LIMIT ?", (tenant_id, limit))
+        rows = self.conn.execute(
+            "SELECT * FROM usage WHERE tenant_id = ? ORDER BY id DESC LIMIT ?", (tenant_id, limit)
+        )
         out = []
         for r in rows:
             d = dict(r)

@@ -31,18 +31,28 @@ def _bytes(s: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m backend", description="LLM inference backend (token-in, token-out).")
-    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    ap = argparse.ArgumentParser(
+        prog="python -m backend", description="LLM inference backend (token-in, token-out)."
+    )
+    ap.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--listen", required=True, help="unix:PATH or tcp://HOST:PORT")
     ap.add_argument("--device", default="cpu")
     from backend.model_path import DEFAULT_DTYPE
 
-    ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "float16"],
-                    help=f"compute + KV dtype (default {DEFAULT_DTYPE}: the fast mode; float32: the exact mode, "
-                         "batch-invariant greedy output)")
+    ap.add_argument(
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        choices=["bfloat16", "float32", "float16"],
+        help=f"compute + KV dtype (default {DEFAULT_DTYPE}: the fast mode; float32: the exact mode, "
+        "batch-invariant greedy output)",
+    )
     ap.add_argument("--attention-backend", default="torch", choices=["torch", "cupy"])
     kv = ap.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES", help="KV pool budget (e.g. 256MiB)")
+    kv.add_argument(
+        "--kv-cache-memory", type=_bytes, default=None, metavar="BYTES", help="KV pool budget (e.g. 256MiB)"
+    )
     kv.add_argument("--num-kv-blocks", type=int, default=None, metavar="N")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)

@@ -114,8 +114,14 @@ def _build():
         return None
 
 
-def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Decode attention of one query per sequence, straight from the paged cache.
 
     Args:
@@ -135,10 +141,15 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mod = load()
     if mod is None:
         raise RuntimeError("CPU decode kernel unavailable")
-    return mod.paged_decode(query.float().contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale))
+    return mod.paged_decode(
+        query.float().contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale)
+    )
 
 
 if __name__ == "__main__":  # `python -m backend.cpu_kernels`: build (or find) the extension now; never fails
     logging.basicConfig(level=logging.INFO)
     mod = load()
-    print("backend.cpu_kernels:", "ready" if mod is not None else "unavailable (the torch reference path will be used)")
+    print(
+        "backend.cpu_kernels:",
+        "ready" if mod is not None else "unavailable (the torch reference path will be used)",
+    )

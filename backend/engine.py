@@ -66,7 +66,9 @@ class EngineRequest:
         "stop_set",
     )
 
-    def __init__(self, submit: Submit, owner: Hashable, states: list[ChoiceState], stop_set: frozenset[int]) -> None:
+    def __init__(
+        self, submit: Submit, owner: Hashable, states: list[ChoiceState], stop_set: frozenset[int]
+    ) -> None:
         self.request_id = submit.request_id
         self.owner = owner
         self.params = submit.sampling
@@ -117,7 +119,9 @@ class Engine:
         self.vocab_size = int(runner.vocab_size)
         self.context_length = int(getattr(runner, "max_model_len", None) or self.card.context_length)
         self.eos_token_ids = list(self.card.eos_token_ids)
-        self.block_manager = BlockManager(num_kv_blocks or runner.num_kv_blocks, runner.block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_kv_blocks or runner.num_kv_blocks, runner.block_size, enable_prefix_caching
+        )
         # Served context (vLLM's max_model_len): never more than the KV pool can hold for one sequence,
         # so a request without max_tokens ("up to the context's end") always fits the pool.
         kv_tokens = self.block_manager.num_blocks * runner.block_size
@@ -182,35 +186,61 @@ class Engine:
         if p.max_tokens < 1:
             return err("invalid_parameter", f"max_tokens must be >= 1, got {p.max_tokens}", "max_tokens")
         if not 0 <= p.min_tokens <= p.max_tokens:
-            return err("invalid_parameter", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}", "min_tokens")
+            return err(
+                "invalid_parameter",
+                f"min_tokens must be in [0, max_tokens], got {p.min_tokens}",
+                "min_tokens",
+            )
 
         def bad_float(v: float, lo: float, hi: float, lo_open: bool = False) -> bool:
             return not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi)
 
         if bad_float(p.temperature, 0.0, 100.0):
-            return err("invalid_parameter", f"temperature must be in [0, 100], got {p.temperature}", "temperature")
+            return err(
+                "invalid_parameter", f"temperature must be in [0, 100], got {p.temperature}", "temperature"
+            )
         if bad_float(p.top_p, 0.0, 1.0, lo_open=True):
             return err("invalid_parameter", f"top_p must be in (0, 1], got {p.top_p}", "top_p")
         if p.top_k < -1:
-            return err("invalid_parameter", f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}", "top_k")
+            return err(
+                "invalid_parameter", f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}", "top_k"
+            )
         if bad_float(p.min_p, 0.0, 1.0):
             return err("invalid_parameter", f"min_p must be in [0, 1], got {p.min_p}", "min_p")
         if bad_float(p.presence_penalty, -2.0, 2.0):
-            return err("invalid_parameter", f"presence_penalty must be in [-2, 2], got {p.presence_penalty}", "presence_penalty")
+            return err(
+                "invalid_parameter",
+                f"presence_penalty must be in [-2, 2], got {p.presence_penalty}",
+                "presence_penalty",
+            )
         if bad_float(p.frequency_penalty, -2.0, 2.0):
-            return err("invalid_parameter", f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}", "frequency_penalty")
+            return err(
+                "invalid_parameter",
+                f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}",
+                "frequency_penalty",
+            )
         if bad_float(p.repetition_penalty, 0.0, 100.0, lo_open=True):
-            return err("invalid_parameter", f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}", "repetition_penalty")
+            return err(
+                "invalid_parameter",
+                f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}",
+                "repetition_penalty",
+            )
         for k, v in p.logit_bias.items():
             if not 0 <= int(k) < V:
                 return err("invalid_parameter", f"logit_bias token id {k} outside [0, {V})", "logit_bias")
             if bad_float(float(v), -100.0, 100.0):
-                return err("invalid_parameter", f"logit_bias value {v} for token {k} outside [-100, 100]", "logit_bias")
+                return err(
+                    "invalid_parameter",
+                    f"logit_bias value {v} for token {k} outside [-100, 100]",
+                    "logit_bias",
+                )
         for t in p.stop_token_ids:
             if not 0 <= t < V:
                 return err("invalid_parameter", f"stop token id {t} outside [0, {V})", "stop_token_ids")
         if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-            return err("invalid_parameter", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+            return err(
+                "invalid_parameter", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
+            )
         total = len(ids) + p.max_tokens
         if total > self.context_length:
             return err(
@@ -229,7 +259,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, submit: Submit, owner: Hashable = None, received_at: float | None = None) -> RequestError | None:
+    def add_request(
+        self, submit: Submit, owner: Hashable = None, received_at: float | None = None
+    ) -> RequestError | None:
         """Validate and queue a request. Returns the ``RequestError`` when it is refused.
 
         ``received_at``: ``time.monotonic()`` when the process received the Submit (the server's reader
@@ -412,7 +444,9 @@ class Engine:
             # Keep the final outputs of requests that already finished in this step (they left
             # self.requests, so _fail_plan would skip them and their clients would wait forever);
             # fail the rest.
-            done = [(o, m) for o, m in out if isinstance(m, RequestOutput) and m.request_id not in self.requests]
+            done = [
+                (o, m) for o, m in out if isinstance(m, RequestOutput) and m.request_id not in self.requests
+            ]
             out = done + self._fail_plan(plan, f"sampling failed: {type(exc).__name__}: {exc}")
         self.step_overhead_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
@@ -428,7 +462,9 @@ class Engine:
             out.append((req.owner, self._fail(req, message)))
         return out
 
-    def _sample_and_output(self, plan: SchedulerOutput, logits: Any, out: list[tuple[Hashable, Message]]) -> None:
+    def _sample_and_output(
+        self, plan: SchedulerOutput, logits: Any, out: list[tuple[Hashable, Message]]
+    ) -> None:
         """Sample one token per sequence that reached its end, fork n > 1 parents, and append the step's
         messages to ``out`` (filled in place so that a failure midway keeps what was already produced)."""
         rows: list[int] = []
@@ -462,7 +498,7 @@ class Engine:
 
         # forks: create the children of every parent that just finished its prompt
         forked: dict[int, list[Sequence]] = {}
-        for (seq, i) in targets:
+        for seq, i in targets:
             if i != seq.index:
                 req = seq.request
                 child = Sequence(

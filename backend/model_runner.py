@@ -62,7 +62,9 @@ def load_weights(model_path: str | os.PathLike, *, keep_q4: bool = False) -> tup
     raise FileNotFoundError(f"model not found: {p}")
 
 
-def make_attention_backend(name: str, dtype: torch.dtype | None = None, device: torch.device | None = None) -> AttentionBackend:
+def make_attention_backend(
+    name: str, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> AttentionBackend:
     """``"torch"`` -> ``TorchAttention``; ``"cupy"`` -> ``kernels_cupy.attention.CupyAttention(dtype, device)`` (lazy import).
 
     Raises:
@@ -154,7 +156,15 @@ class ModelRunner:
             raise ValueError(f"KV budget too small: one block needs {self.kv_block_bytes} bytes")
         self.num_kv_blocks = int(num_kv_blocks)
         self.kv_pools = [
-            torch.zeros(2, self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(
+                2,
+                self.num_kv_blocks,
+                block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
             for _ in range(cfg.num_layers)
         ]
         self.kv_caches = [(p[0], p[1]) for p in self.kv_pools]
@@ -166,7 +176,9 @@ class ModelRunner:
         self.card = card
 
     # ------------------------------------------------------------------ inputs
-    def prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, int]:
+    def prepare(
+        self, chunks: list[SeqChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, int]:
         """Flatten ``chunks`` into device tensors.
 
         Returns:
@@ -202,7 +214,9 @@ class ModelRunner:
             need = -(-end // bs)
             bt = c.block_table
             if len(bt) < need:
-                raise ValueError(f"block table of {len(bt)} blocks cannot hold {end} tokens (block size {bs})")
+                raise ValueError(
+                    f"block table of {len(bt)} blocks cannot hold {end} tokens (block size {bs})"
+                )
             if n == 1 and decoding:
                 num_decodes += 1
             else:

@@ -156,7 +156,11 @@ def _sample_random(x: torch.Tensor, states: list[ChoiceState]) -> list[int]:
     temps = torch.tensor([s.params.temperature for s in states], dtype=torch.float32).unsqueeze(1)
     probs = torch.softmax(x / temps, dim=-1)
     out = [0] * R
-    filt = [r for r, s in enumerate(states) if (0 < s.params.top_k < V) or s.params.top_p < 1.0 or s.params.min_p > 0]
+    filt = [
+        r
+        for r, s in enumerate(states)
+        if (0 < s.params.top_k < V) or s.params.top_p < 1.0 or s.params.min_p > 0
+    ]
     plain = [r for r in range(R) if r not in set(filt)]
     if plain:
         sub = probs if len(plain) == R else probs[plain]
@@ -254,15 +258,21 @@ def process_logits(logits: torch.Tensor, states: list[ChoiceState]) -> torch.Ten
     if pen_rows:
         xx = writable()
         counts = torch.stack([states[i].counts for i in pen_rows])  # type: ignore[misc]
-        freq = torch.tensor([states[i].params.frequency_penalty for i in pen_rows], dtype=torch.float32).unsqueeze(1)
-        pres = torch.tensor([states[i].params.presence_penalty for i in pen_rows], dtype=torch.float32).unsqueeze(1)
+        freq = torch.tensor(
+            [states[i].params.frequency_penalty for i in pen_rows], dtype=torch.float32
+        ).unsqueeze(1)
+        pres = torch.tensor(
+            [states[i].params.presence_penalty for i in pen_rows], dtype=torch.float32
+        ).unsqueeze(1)
         rows_t = torch.tensor(pen_rows, dtype=torch.int64)
         xx[rows_t] = xx[rows_t] - freq * counts - pres * (counts > 0).float()
     rep_rows = [i for i, s in enumerate(states) if s.seen is not None]
     if rep_rows:
         xx = writable()
         seen = torch.stack([states[i].seen for i in rep_rows])  # type: ignore[misc]
-        rp = torch.tensor([states[i].params.repetition_penalty for i in rep_rows], dtype=torch.float32).unsqueeze(1)
+        rp = torch.tensor(
+            [states[i].params.repetition_penalty for i in rep_rows], dtype=torch.float32
+        ).unsqueeze(1)
         rows_t = torch.tensor(rep_rows, dtype=torch.int64)
         sub = xx[rows_t]
         sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)

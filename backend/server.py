@@ -269,7 +269,11 @@ class Server:
         if kind == "bad":
             rid, message = payload
             if conn.greeted:
-                conn.send(P.RequestError(request_id=rid, code="invalid_request_error", message=f"bad message: {message}"))
+                conn.send(
+                    P.RequestError(
+                        request_id=rid, code="invalid_request_error", message=f"bad message: {message}"
+                    )
+                )
             else:
                 self._fatal(conn, "expected Hello first")
             return
@@ -288,7 +292,10 @@ class Server:
                     )
                 )
             elif isinstance(msg, P.Hello):
-                self._fatal(conn, f"protocol version {msg.version} not supported (backend speaks {P.PROTOCOL_VERSION})")
+                self._fatal(
+                    conn,
+                    f"protocol version {msg.version} not supported (backend speaks {P.PROTOCOL_VERSION})",
+                )
             else:
                 self._fatal(conn, "expected Hello first")
             return

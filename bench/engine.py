@@ -51,11 +51,20 @@ def rand_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(200, min(vocab, 40000)) for _ in range(n)]
 
 
-def decode_run(engine: Engine, n: int, prompt_len: int, output_len: int, rng: random.Random, tag: str) -> dict:
+def decode_run(
+    engine: Engine, n: int, prompt_len: int, output_len: int, rng: random.Random, tag: str
+) -> dict:
     """Run ``n`` concurrent requests; time decode-only steps."""
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(n):
-        err = engine.add_request(Submit(request_id=f"{tag}-{i}", prompt_ids=rand_prompt(rng, prompt_len, engine.vocab_size), sampling=sp, cache_salt=tag))
+        err = engine.add_request(
+            Submit(
+                request_id=f"{tag}-{i}",
+                prompt_ids=rand_prompt(rng, prompt_len, engine.vocab_size),
+                sampling=sp,
+                cache_salt=tag,
+            )
+        )
         assert err is None, err
     dec_tokens = 0
     dec_time = 0.0
@@ -64,7 +73,9 @@ def decode_run(engine: Engine, n: int, prompt_len: int, output_len: int, rng: ra
     st0 = engine.num_steps
     t_all = time.perf_counter()
     while engine.has_work():
-        decode_only = all(s.num_uncomputed == 1 for s in engine.scheduler.running) and not engine.scheduler.waiting
+        decode_only = (
+            all(s.num_uncomputed == 1 for s in engine.scheduler.running) and not engine.scheduler.waiting
+        )
         t = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t
@@ -120,10 +131,20 @@ def main() -> int:
     bs = 16
     blocks = max_seqs * -(-(args.prompt_len + args.output_len) // bs) + 2 * -(-args.long_prompt // bs) + 64
     t0 = time.perf_counter()
-    runner = ModelRunner(args.model or default_model_path(), device=args.device, dtype=args.dtype,
-                         attention_backend=args.attention_backend, block_size=bs, num_kv_blocks=blocks)
+    runner = ModelRunner(
+        args.model or default_model_path(),
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        block_size=bs,
+        num_kv_blocks=blocks,
+    )
     load_s = time.perf_counter() - t0
-    engine = Engine(runner, max_num_seqs=max(64, max_seqs), max_num_batched_tokens=max(args.max_num_batched_tokens, max_seqs))
+    engine = Engine(
+        runner,
+        max_num_seqs=max(64, max_seqs),
+        max_num_batched_tokens=max(args.max_num_batched_tokens, max_seqs),
+    )
     rng = random.Random(0)
     # warm-up
     decode_run(engine, 2, 32, 4, rng, "warm")
@@ -132,7 +153,11 @@ def main() -> int:
     for n in conc:
         r = decode_run(engine, n, args.prompt_len, args.output_len, rng, f"c{n}")
         rows.append(r)
-        print(f"  {n:>3} seqs: {r['decode_tok_s']:8.1f} decode tok/s  overhead {r['overhead_ms']:.2f} ms/step", file=sys.stderr, flush=True)
+        print(
+            f"  {n:>3} seqs: {r['decode_tok_s']:8.1f} decode tok/s  overhead {r['overhead_ms']:.2f} ms/step",
+            file=sys.stderr,
+            flush=True,
+        )
     single = next((r["decode_tok_s"] for r in rows if r["seqs"] == 1), None)
 
     # warm the long-prefill code path once (oneDNN primitives for the chunk shapes, allocator growth) with
@@ -147,7 +172,9 @@ def main() -> int:
     lines.append(f"| metric | value |")
     lines.append(f"|---|---|")
     for r in rows:
-        lines.append(f"| aggregate decode tok/s, {r['seqs']} seqs (prompt {args.prompt_len}, output {args.output_len}) | {r['decode_tok_s']:.1f} |")
+        lines.append(
+            f"| aggregate decode tok/s, {r['seqs']} seqs (prompt {args.prompt_len}, output {args.output_len}) | {r['decode_tok_s']:.1f} |"
+        )
     for r in rows:
         lines.append(f"| engine overhead per step, {r['seqs']} seqs (ms) | {r['overhead_ms']:.2f} |")
     lines.append(f"| prefill tok/s ({args.long_prompt}-token prompt, cold) | {prefill_tok_s:.1f} |")
@@ -181,7 +208,10 @@ def main() -> int:
             f"- machine: {machine}\n- command: `{cmd}`\n- model: {runner.card.name} ({runner.card.quantization}) "
             f"dtype {runner.card.dtype} device {runner.card.device}, attention {runner.card.attention_backend}, "
             f"C++ CPU kernels {'on' if getattr(runner.model, 'cpu_kernels', None) is not None else 'off'}, load {load_s:.1f} s\n\n"
-            + table + "\n\n" + "\n".join(f"- {f}" for f in floors) + "\n"
+            + table
+            + "\n\n"
+            + "\n".join(f"- {f}" for f in floors)
+            + "\n"
         )
         perf = ROOT / "docs" / "perf.md"
         if not perf.exists():

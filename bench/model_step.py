@@ -62,8 +62,11 @@ def _time(fn, steps: int, warmup: int = 2) -> list[float]:
 def _report(dtype: str, label: str, ts: list[float], tokens: int) -> str:
     """Print one timing line (median / best of ``ts`` seconds, ``tokens`` per call) and return its table row."""
     med, best = statistics.median(ts), min(ts)
-    print(f"[{dtype}] {label}: median {med * 1e3:.1f} ms  best {best * 1e3:.1f} ms  -> {tokens / med:.1f} tok/s "
-          f"(best {tokens / best:.1f})", flush=True)
+    print(
+        f"[{dtype}] {label}: median {med * 1e3:.1f} ms  best {best * 1e3:.1f} ms  -> {tokens / med:.1f} tok/s "
+        f"(best {tokens / best:.1f})",
+        flush=True,
+    )
     return f"| {dtype} | {label} | {med * 1e3:.1f} ms (best {best * 1e3:.1f}) | {tokens / med:.1f} tok/s (best {tokens / best:.1f}) | |"
 
 
@@ -74,8 +77,14 @@ def bench_dtype(args, dtype: str) -> list[str]:
     ctx_blocks = -(-(ctx + 1) // bs)
     need = max_b * ctx_blocks + -(-args.prefill // bs) + 1
     t0 = time.perf_counter()
-    r = ModelRunner(args.model, dtype=dtype, block_size=bs, num_kv_blocks=need, device=args.device,
-                    attention_backend=args.attention)
+    r = ModelRunner(
+        args.model,
+        dtype=dtype,
+        block_size=bs,
+        num_kv_blocks=need,
+        device=args.device,
+        attention_backend=args.attention,
+    )
     load_s = time.perf_counter() - t0
     rows = [f"| {dtype} | load | {load_s:.1f} s | | |"]
     print(f"[{dtype}] loaded in {load_s:.1f}s, {r.num_kv_blocks} KV blocks", flush=True)
@@ -111,12 +120,17 @@ def bench_dtype(args, dtype: str) -> list[str]:
             if ev.key in MATMUL_OPS:
                 mm += ev.self_cpu_time_total
         step_ms = total / n / 1e3
-        print(f"[{dtype}] B=1 profile: {step_ms:.1f} ms/step of op self-time, matmul {mm / n / 1e3:.1f} ms "
-              f"({100 * mm / max(total, 1):.0f}%), other ops {(total - mm) / n / 1e3:.1f} ms; "
-              f"{calls / n:.0f} op calls/step", flush=True)
+        print(
+            f"[{dtype}] B=1 profile: {step_ms:.1f} ms/step of op self-time, matmul {mm / n / 1e3:.1f} ms "
+            f"({100 * mm / max(total, 1):.0f}%), other ops {(total - mm) / n / 1e3:.1f} ms; "
+            f"{calls / n:.0f} op calls/step",
+            flush=True,
+        )
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-        rows.append(f"| {dtype} | B=1 profile | matmul {mm / n / 1e3:.1f} ms + other ops {(total - mm) / n / 1e3:.1f} ms"
-                    f" | {calls / n:.0f} op calls/step | |")
+        rows.append(
+            f"| {dtype} | B=1 profile | matmul {mm / n / 1e3:.1f} ms + other ops {(total - mm) / n / 1e3:.1f} ms"
+            f" | {calls / n:.0f} op calls/step | |"
+        )
     del r
     return rows
 

@@ -40,8 +40,10 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import trio
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact"
+).split()
 
 
 @dataclass
@@ -76,7 +78,13 @@ def pct(xs: list[float], p: float) -> float | None:
 
 def summary(xs: list[float]) -> dict:
     ms = [x * 1000 for x in xs]
-    return {"n": len(ms), "mean": (sum(ms) / len(ms)) if ms else None, "p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99)}
+    return {
+        "n": len(ms),
+        "mean": (sum(ms) / len(ms)) if ms else None,
+        "p50": pct(ms, 50),
+        "p90": pct(ms, 90),
+        "p99": pct(ms, 99),
+    }
 
 
 async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Result:
@@ -94,7 +102,9 @@ async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Re
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     last = None
     try:
-        async with client.stream("POST", args.base_url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers) as r:
+        async with client.stream(
+            "POST", args.base_url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers
+        ) as r:
             res.status = r.status_code
             if r.status_code != 200:
                 res.error = (await r.aread()).decode(errors="replace")[:300]
@@ -137,7 +147,9 @@ async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Re
 
 
 async def run(args) -> dict:
-    limits = httpx.Limits(max_connections=max(args.concurrency, 256), max_keepalive_connections=max(args.concurrency, 256))
+    limits = httpx.Limits(
+        max_connections=max(args.concurrency, 256), max_keepalive_connections=max(args.concurrency, 256)
+    )
     results: list[Result] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         if not args.model:
@@ -150,6 +162,7 @@ async def run(args) -> dict:
         t0 = time.perf_counter()
         if args.rate:
             async with trio.open_nursery() as nursery:
+
                 async def fire(i):
                     results.append(await one(client, args, i, random.Random(args.seed + i)))
 
@@ -170,7 +183,11 @@ async def run(args) -> dict:
     ok = [r for r in results if r.ok]
     errs = [r for r in results if not r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1 and r.e2e and r.ttft is not None]
+    tpot = [
+        (r.e2e - r.ttft) / (r.completion_tokens - 1)
+        for r in ok
+        if r.completion_tokens > 1 and r.e2e and r.ttft is not None
+    ]
     overhead = [r.ttft - r.backend_ttft for r in ok if r.backend_ttft is not None and r.ttft is not None]
     return {
         "config": {k: v for k, v in vars(args).items() if k != "api_key"},
@@ -222,8 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     res = trio.run(run, args)
     mode = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"{mode}: {res['ok']}/{res['requests']} ok, {res['errors']} errors, wall {res['wall_s']:.1f}s")
-    print(f"  throughput: {res['request_throughput_rps']:.3f} req/s, {res['output_tokens_per_s']:.1f} output tokens/s")
-    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "backend_ttft_ms", "gateway_overhead_ms", "gateway_internal_ms", "gateway_prep_ms"):
+    print(
+        f"  throughput: {res['request_throughput_rps']:.3f} req/s, {res['output_tokens_per_s']:.1f} output tokens/s"
+    )
+    for k in (
+        "ttft_ms",
+        "tpot_ms",
+        "itl_ms",
+        "e2e_ms",
+        "backend_ttft_ms",
+        "gateway_overhead_ms",
+        "gateway_internal_ms",
+        "gateway_prep_ms",
+    ):
         print(f"  {k:20s} {_fmt(res[k])}")
     for s in res["error_samples"]:
         print(f"  error: {s}", file=sys.stderr)

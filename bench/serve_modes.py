@@ -54,8 +54,20 @@ def start(dtype: str, tmp: str) -> tuple[subprocess.Popen, str, str, str]:
         RuntimeError: it exited or was not ready within 300 s.
     """
     port, admin = _free_port(), "adm-" + os.urandom(8).hex()
-    cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--admin-key", admin,
-           "--db", os.path.join(tmp, f"bench-{dtype}.db")] + ([] if dtype == "default" else ["--dtype", dtype])
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--admin-key",
+        admin,
+        "--db",
+        os.path.join(tmp, f"bench-{dtype}.db"),
+    ] + ([] if dtype == "default" else ["--dtype", dtype])
     log_path = os.path.join(tmp, f"gateway-{dtype}.log")
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -73,8 +85,12 @@ def start(dtype: str, tmp: str) -> tuple[subprocess.Popen, str, str, str]:
         time.sleep(0.3)
     try:
         a = {"Authorization": f"Bearer {admin}"}
-        tid = httpx.post(base + "/admin/v1/tenants", json={"name": "bench"}, headers=a, timeout=30).json()["id"]
-        key = httpx.post(base + f"/admin/v1/tenants/{tid}/keys", json={"name": "bench"}, headers=a, timeout=30).json()["key"]
+        tid = httpx.post(base + "/admin/v1/tenants", json={"name": "bench"}, headers=a, timeout=30).json()[
+            "id"
+        ]
+        key = httpx.post(
+            base + f"/admin/v1/tenants/{tid}/keys", json={"name": "bench"}, headers=a, timeout=30
+        ).json()["key"]
         models = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
     except BaseException:
         proc.terminate()  # its backend exits with it (PR_SET_PDEATHSIG)
@@ -101,11 +117,15 @@ def main() -> int:
     def measure(label: str, base: str, key: str) -> None:
         nonlocal failed
         for c in (int(x) for x in args.concurrency.split(",")):
-            res = trio.run(serve_bench.run, serve_bench_args(base, key, c, max(8, c * args.requests_per_stream), args))
+            res = trio.run(
+                serve_bench.run, serve_bench_args(base, key, c, max(8, c * args.requests_per_stream), args)
+            )
             failed |= res["errors"] > 0
             t, p, i = res["ttft_ms"], res["tpot_ms"], res["itl_ms"]
-            rows.append(f"| {label} | {c} | {res['ok']}/{res['requests']} | {res['output_tokens_per_s']:.1f} | "
-                        f"{t['p50']:.0f} / {t['p99']:.0f} | {p['p50']:.1f} | {i['p50']:.1f} / {i['p99']:.1f} |")
+            rows.append(
+                f"| {label} | {c} | {res['ok']}/{res['requests']} | {res['output_tokens_per_s']:.1f} | "
+                f"{t['p50']:.0f} / {t['p99']:.0f} | {p['p50']:.1f} | {i['p50']:.1f} / {i['p99']:.1f} |"
+            )
             print(rows[-1], flush=True)
 
     if args.peer_url:
@@ -117,27 +137,46 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(60)
-    head = ("| mode | streams | ok | out tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 / p99 ms |\n"
-            "|---|---|---|---|---|---|---|")
+    head = (
+        "| mode | streams | ok | out tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 / p99 ms |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     table = head + "\n" + "\n".join(rows)
     print(table)
     if args.append_perf:
         load = os.getloadavg()[0]
         cmd = "python bench/serve_modes.py " + " ".join(sys.argv[1:])
-        entry = (f"\n### HTTP serve bench by mode {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-                 f"- machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs, load avg {load:.1f} at the end\n"
-                 f"- command: `{cmd}` (prompt {args.prompt_tokens} / output {args.output_tokens} tokens, streaming, closed loop)\n\n"
-                 f"{table}\n")
+        entry = (
+            f"\n### HTTP serve bench by mode {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+            f"- machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs, load avg {load:.1f} at the end\n"
+            f"- command: `{cmd}` (prompt {args.prompt_tokens} / output {args.output_tokens} tokens, streaming, closed loop)\n\n"
+            f"{table}\n"
+        )
         with open(ROOT / "docs" / "perf.md", "a") as f:
             f.write(entry)
     return 1 if failed else 0
 
 
-def serve_bench_args(base: str, key: str, concurrency: int, n: int, args: argparse.Namespace) -> argparse.Namespace:
+def serve_bench_args(
+    base: str, key: str, concurrency: int, n: int, args: argparse.Namespace
+) -> argparse.Namespace:
     """The namespace ``bench/serve.py``'s ``run`` reads, for a closed loop of ``n`` requests."""
-    return argparse.Namespace(base_url=base, api_key=key, model="", concurrency=concurrency, rate=0.0, num_requests=n,
-                              prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, temperature=0.0,
-                              ignore_eos=True, warmup=2, seed=0, timeout=600.0, json=None)
+    return argparse.Namespace(
+        base_url=base,
+        api_key=key,
+        model="",
+        concurrency=concurrency,
+        rate=0.0,
+        num_requests=n,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        warmup=2,
+        seed=0,
+        timeout=600.0,
+        json=None,
+    )
 
 
 if __name__ == "__main__":

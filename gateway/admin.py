@@ -101,7 +101,9 @@ def _expiry(v: Any) -> float | None:
     elif v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
         t = v
     else:
-        raise InvalidRequest("expires_at must be UNIX seconds or an ISO-8601 time", param="expires_at", code="invalid_type")
+        raise InvalidRequest(
+            "expires_at must be UNIX seconds or an ISO-8601 time", param="expires_at", code="invalid_type"
+        )
     if t is None:
         return None
     try:
@@ -109,10 +111,17 @@ def _expiry(v: Any) -> float | None:
     except OverflowError:  # an integer beyond float range
         t = math.inf if t > 0 else -math.inf
     if not math.isfinite(t) or t >= 253402300800:
-        raise InvalidRequest("expires_at must be finite UNIX seconds before the year 10000", param="expires_at", code="invalid_value")
+        raise InvalidRequest(
+            "expires_at must be finite UNIX seconds before the year 10000",
+            param="expires_at",
+            code="invalid_value",
+        )
     if t <= time.time():
-        raise InvalidRequest("expires_at must be in the future (UNIX seconds or an ISO-8601 time); to disable a key, revoke it",
-                             param="expires_at", code="invalid_value")
+        raise InvalidRequest(
+            "expires_at must be in the future (UNIX seconds or an ISO-8601 time); to disable a key, revoke it",
+            param="expires_at",
+            code="invalid_value",
+        )
     return t
 
 
@@ -235,7 +244,9 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
         expires_at = _expiry(body.get("expires_at"))
         limits = _limits(body["limits"], "limits") if body.get("limits") is not None else None
         key, rec = await store.call(Store.create_key, t.id, name=name, expires_at=expires_at, limits=limits)
-        return JSONResponse({**rec.public(), "key": key}, status_code=201, headers={"cache-control": "no-store"})
+        return JSONResponse(
+            {**rec.public(), "key": key}, status_code=201, headers={"cache-control": "no-store"}
+        )
 
     @handler
     async def list_keys(request: Request):
@@ -291,8 +302,11 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
         unknown = set(body) - {*LIMIT_FIELDS, "window_s"}
         if unknown:
             raise InvalidRequest(f"unknown limit field(s): {', '.join(sorted(unknown))}", param="limits")
-        limits = _limits({k: body.get(k) for k in (*LIMIT_FIELDS, "window_s") if k in body or k in LIMIT_FIELDS},
-                         "limits", base=t.limits)
+        limits = _limits(
+            {k: body.get(k) for k in (*LIMIT_FIELDS, "window_s") if k in body or k in LIMIT_FIELDS},
+            "limits",
+            base=t.limits,
+        )
         t = await store.call(Store.update_tenant, t.id, limits=limits)
         tenancy.invalidate()
         return JSONResponse(t.limits.to_dict())
@@ -365,8 +379,14 @@ def _resp(desc: str, schema: dict | None = None) -> dict:
 
 
 def _errors(*codes: int) -> dict:
-    names = {400: "Invalid request", 401: "Missing or wrong key", 403: "Key not allowed here", 404: "Not found",
-             409: "Conflict", 429: "Rate limited / quota exhausted"}
+    names = {
+        400: "Invalid request",
+        401: "Missing or wrong key",
+        403: "Key not allowed here",
+        404: "Not found",
+        409: "Conflict",
+        429: "Rate limited / quota exhausted",
+    }
     return {str(c): _resp(names[c], _err_schema()) for c in codes}
 
 
@@ -374,154 +394,423 @@ def openapi_spec() -> dict[str, Any]:
     """Hand-written OpenAPI 3.1 document of the admin API, ``/v1/usage`` and ``/v1/chat/completions``.
     The gateway may extend the returned dict (a fresh copy each call)."""
     ref = lambda n: {"$ref": f"#/components/schemas/{n}"}  # noqa: E731
-    tid = {"name": "tenant_id", "in": "path", "required": True, "schema": {"type": "string"},
-           "description": "tenant id (tn_...) or name"}
+    tid = {
+        "name": "tenant_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+        "description": "tenant id (tn_...) or name",
+    }
     admin = [{"adminKey": []}]
     tenant = [{"tenantKey": []}]
-    rl_headers = {h: {"schema": {"type": "string"}} for h in (
-        "x-ratelimit-limit-requests", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-requests",
-        "x-ratelimit-remaining-tokens", "x-ratelimit-reset-requests", "x-ratelimit-reset-tokens")}
+    rl_headers = {
+        h: {"schema": {"type": "string"}}
+        for h in (
+            "x-ratelimit-limit-requests",
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-requests",
+            "x-ratelimit-reset-tokens",
+        )
+    }
     limits_schema = {
-        "type": "object", "properties": {
-            "rpm": {"type": ["integer", "null"], "minimum": 0, "description": "requests per window (per minute)"},
-            "tpm": {"type": ["integer", "null"], "minimum": 0, "description": "tokens per window: prompt + max_tokens reserved"},
+        "type": "object",
+        "properties": {
+            "rpm": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "description": "requests per window (per minute)",
+            },
+            "tpm": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "description": "tokens per window: prompt + max_tokens reserved",
+            },
             "max_concurrent": {"type": ["integer", "null"], "minimum": 0},
             "daily_tokens": {"type": ["integer", "null"], "minimum": 0, "description": "tokens per UTC day"},
-            "window_s": {"type": "number", "default": 60, "description": "refill window of rpm/tpm in seconds"}}}
+            "window_s": {
+                "type": "number",
+                "default": 60,
+                "description": "refill window of rpm/tpm in seconds",
+            },
+        },
+    }
     spec: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": "llm-gateway", "version": "0.1.0",
-                 "description": "OpenAI-compatible chat gateway; multi-tenant admin API under /admin/v1."},
+        "info": {
+            "title": "llm-gateway",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible chat gateway; multi-tenant admin API under /admin/v1.",
+        },
         "components": {
             "securitySchemes": {
-                "tenantKey": {"type": "http", "scheme": "bearer", "description": "tenant API key (sk-gw-...)"},
-                "adminKey": {"type": "http", "scheme": "bearer", "description": "the gateway's admin key"}},
+                "tenantKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "tenant API key (sk-gw-...)",
+                },
+                "adminKey": {"type": "http", "scheme": "bearer", "description": "the gateway's admin key"},
+            },
             "schemas": {
-                "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
-                    "message": {"type": "string"}, "type": {"type": "string"},
-                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+                "Error": {
+                    "type": "object",
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            },
+                        }
+                    },
+                },
                 "Limits": limits_schema,
-                "Tenant": {"type": "object", "properties": {
-                    "id": {"type": "string"}, "object": {"const": "tenant"}, "name": {"type": "string"},
-                    "disabled": {"type": "boolean"}, "created_at": {"type": "number"}, "limits": ref("Limits"),
-                    "filters": {"description": "opaque filter config (see docs/filters.md)"}}},
-                "TenantCreate": {"type": "object", "required": ["name"], "properties": {
-                    "name": {"type": "string"}, "limits": ref("Limits"), "filters": {}, "disabled": {"type": "boolean"}}},
-                "TenantPatch": {"type": "object", "properties": {
-                    "name": {"type": "string"}, "limits": ref("Limits"), "filters": {}, "disabled": {"type": "boolean"}}},
-                "ApiKey": {"type": "object", "properties": {
-                    "id": {"type": "string"}, "object": {"const": "api_key"}, "tenant_id": {"type": "string"},
-                    "name": {"type": ["string", "null"]}, "prefix": {"type": "string"},
-                    "created_at": {"type": "number"}, "expires_at": {"type": ["number", "null"]},
-                    "revoked_at": {"type": ["number", "null"]}, "limits": {"oneOf": [ref("Limits"), {"type": "null"}]}}},
-                "ApiKeyCreated": {"allOf": [ref("ApiKey"), {"type": "object", "properties": {
-                    "key": {"type": "string", "description": "the secret key, shown only in this response"}}}]},
-                "ApiKeyCreate": {"type": "object", "properties": {
-                    "name": {"type": "string"}, "expires_at": {"type": ["number", "string", "null"],
-                                                               "description": "UNIX seconds or ISO-8601, in the future; null = never"},
-                    "limits": ref("Limits")}},
-                "UsageTotals": {"type": "object", "properties": {k: {"type": "integer"} for k in (
-                    "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")}},
-                "Usage": {"type": "object", "properties": {
-                    "object": {"const": "usage"}, "tenant_id": {"type": "string"},
-                    "since": {"type": ["number", "null"]}, "until": {"type": ["number", "null"]},
-                    "totals": ref("UsageTotals"),
-                    "days": {"type": "array", "items": {"allOf": [ref("UsageTotals"), {"type": "object", "properties": {
-                        "day": {"type": "string", "format": "date"}}}]}}}},
-                "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-                    "model": {"type": "string"},
-                    "messages": {"type": "array", "items": {"type": "object", "properties": {
-                        "role": {"type": "string"}, "content": {}}}},
-                    "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"},
-                    "temperature": {"type": "number"}, "top_p": {"type": "number"}, "n": {"type": "integer"},
-                    "stream": {"type": "boolean"}, "stop": {}, "seed": {"type": "integer"},
-                    "stream_options": {"type": "object"}, "logprobs": {"type": "boolean"},
-                    "top_logprobs": {"type": "integer"}, "presence_penalty": {"type": "number"},
-                    "frequency_penalty": {"type": "number"}, "user": {"type": "string"}}},
-                "ChatCompletion": {"type": "object", "properties": {
-                    "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-                    "model": {"type": "string"}, "choices": {"type": "array", "items": {"type": "object"}},
-                    "usage": {"type": "object"}}},
+                "Tenant": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "tenant"},
+                        "name": {"type": "string"},
+                        "disabled": {"type": "boolean"},
+                        "created_at": {"type": "number"},
+                        "limits": ref("Limits"),
+                        "filters": {"description": "opaque filter config (see docs/filters.md)"},
+                    },
+                },
+                "TenantCreate": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "limits": ref("Limits"),
+                        "filters": {},
+                        "disabled": {"type": "boolean"},
+                    },
+                },
+                "TenantPatch": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "limits": ref("Limits"),
+                        "filters": {},
+                        "disabled": {"type": "boolean"},
+                    },
+                },
+                "ApiKey": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "api_key"},
+                        "tenant_id": {"type": "string"},
+                        "name": {"type": ["string", "null"]},
+                        "prefix": {"type": "string"},
+                        "created_at": {"type": "number"},
+                        "expires_at": {"type": ["number", "null"]},
+                        "revoked_at": {"type": ["number", "null"]},
+                        "limits": {"oneOf": [ref("Limits"), {"type": "null"}]},
+                    },
+                },
+                "ApiKeyCreated": {
+                    "allOf": [
+                        ref("ApiKey"),
+                        {
+                            "type": "object",
+                            "properties": {
+                                "key": {
+                                    "type": "string",
+                                    "description": "the secret key, shown only in this response",
+                                }
+                            },
+                        },
+                    ]
+                },
+                "ApiKeyCreate": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "expires_at": {
+                            "type": ["number", "string", "null"],
+                            "description": "UNIX seconds or ISO-8601, in the future; null = never",
+                        },
+                        "limits": ref("Limits"),
+                    },
+                },
+                "UsageTotals": {
+                    "type": "object",
+                    "properties": {
+                        k: {"type": "integer"}
+                        for k in (
+                            "requests",
+                            "prompt_tokens",
+                            "cached_tokens",
+                            "completion_tokens",
+                            "total_tokens",
+                        )
+                    },
+                },
+                "Usage": {
+                    "type": "object",
+                    "properties": {
+                        "object": {"const": "usage"},
+                        "tenant_id": {"type": "string"},
+                        "since": {"type": ["number", "null"]},
+                        "until": {"type": ["number", "null"]},
+                        "totals": ref("UsageTotals"),
+                        "days": {
+                            "type": "array",
+                            "items": {
+                                "allOf": [
+                                    ref("UsageTotals"),
+                                    {
+                                        "type": "object",
+                                        "properties": {"day": {"type": "string", "format": "date"}},
+                                    },
+                                ]
+                            },
+                        },
+                    },
+                },
+                "ChatCompletionRequest": {
+                    "type": "object",
+                    "required": ["model", "messages"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "messages": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {"role": {"type": "string"}, "content": {}},
+                            },
+                        },
+                        "max_tokens": {"type": "integer"},
+                        "max_completion_tokens": {"type": "integer"},
+                        "temperature": {"type": "number"},
+                        "top_p": {"type": "number"},
+                        "n": {"type": "integer"},
+                        "stream": {"type": "boolean"},
+                        "stop": {},
+                        "seed": {"type": "integer"},
+                        "stream_options": {"type": "object"},
+                        "logprobs": {"type": "boolean"},
+                        "top_logprobs": {"type": "integer"},
+                        "presence_penalty": {"type": "number"},
+                        "frequency_penalty": {"type": "number"},
+                        "user": {"type": "string"},
+                    },
+                },
+                "ChatCompletion": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "chat.completion"},
+                        "created": {"type": "integer"},
+                        "model": {"type": "string"},
+                        "choices": {"type": "array", "items": {"type": "object"}},
+                        "usage": {"type": "object"},
+                    },
+                },
             },
         },
         "paths": {},
     }
     P = spec["paths"]
-    P["/v1/chat/completions"] = {"post": {
-        "summary": "Create a chat completion (OpenAI-compatible; SSE when stream=true)", "security": tenant,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": ref("ChatCompletionRequest")}}},
-        "responses": {"200": {"description": "completion (JSON) or text/event-stream of chat.completion.chunk",
-                              "headers": rl_headers,
-                              "content": {"application/json": {"schema": ref("ChatCompletion")},
-                                          "text/event-stream": {"schema": {"type": "string"}}}},
-                      **_errors(400, 401, 429),
-                      "429": {"description": "rate_limit_exceeded or insufficient_quota",
-                              "headers": {**rl_headers, "retry-after": {"schema": {"type": "string"}},
-                                          "retry-after-ms": {"schema": {"type": "string"}},
-                                          "x-should-retry": {"schema": {"type": "string"}}},
-                              "content": {"application/json": {"schema": _err_schema()}}}}}}
-    P["/v1/usage"] = {"get": {
-        "summary": "The calling tenant's own usage", "security": tenant,
-        "parameters": [{"name": n, "in": "query", "schema": {"type": "string"}} for n in ("since", "until")],
-        "responses": {"200": _resp("usage", ref("Usage")), **_errors(400, 401)}}}
+    P["/v1/chat/completions"] = {
+        "post": {
+            "summary": "Create a chat completion (OpenAI-compatible; SSE when stream=true)",
+            "security": tenant,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ref("ChatCompletionRequest")}},
+            },
+            "responses": {
+                "200": {
+                    "description": "completion (JSON) or text/event-stream of chat.completion.chunk",
+                    "headers": rl_headers,
+                    "content": {
+                        "application/json": {"schema": ref("ChatCompletion")},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(400, 401, 429),
+                "429": {
+                    "description": "rate_limit_exceeded or insufficient_quota",
+                    "headers": {
+                        **rl_headers,
+                        "retry-after": {"schema": {"type": "string"}},
+                        "retry-after-ms": {"schema": {"type": "string"}},
+                        "x-should-retry": {"schema": {"type": "string"}},
+                    },
+                    "content": {"application/json": {"schema": _err_schema()}},
+                },
+            },
+        }
+    }
+    P["/v1/usage"] = {
+        "get": {
+            "summary": "The calling tenant's own usage",
+            "security": tenant,
+            "parameters": [
+                {"name": n, "in": "query", "schema": {"type": "string"}} for n in ("since", "until")
+            ],
+            "responses": {"200": _resp("usage", ref("Usage")), **_errors(400, 401)},
+        }
+    }
     A = "/admin/v1"
-    P[f"{A}/stats"] = {"get": {
-        "summary": "Engine counters (served by the gateway itself; admin key)", "security": admin,
-        "responses": {"200": _resp("stats", {"type": "object"}), **_errors(401, 403)}}}
+    P[f"{A}/stats"] = {
+        "get": {
+            "summary": "Engine counters (served by the gateway itself; admin key)",
+            "security": admin,
+            "responses": {"200": _resp("stats", {"type": "object"}), **_errors(401, 403)},
+        }
+    }
     P[f"{A}/tenants"] = {
-        "post": {"summary": "Create a tenant", "security": admin,
-                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref("TenantCreate")}}},
-                 "responses": {"201": _resp("created", ref("Tenant")), **_errors(400, 401, 403, 409)}},
-        "get": {"summary": "List tenants", "security": admin,
-                "responses": {"200": _resp("tenants", {"type": "object", "properties": {
-                    "object": {"const": "list"}, "data": {"type": "array", "items": ref("Tenant")}}}),
-                    **_errors(401, 403)}}}
+        "post": {
+            "summary": "Create a tenant",
+            "security": admin,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ref("TenantCreate")}},
+            },
+            "responses": {"201": _resp("created", ref("Tenant")), **_errors(400, 401, 403, 409)},
+        },
+        "get": {
+            "summary": "List tenants",
+            "security": admin,
+            "responses": {
+                "200": _resp(
+                    "tenants",
+                    {
+                        "type": "object",
+                        "properties": {
+                            "object": {"const": "list"},
+                            "data": {"type": "array", "items": ref("Tenant")},
+                        },
+                    },
+                ),
+                **_errors(401, 403),
+            },
+        },
+    }
     P[f"{A}/tenants/{{tenant_id}}"] = {
         "parameters": [tid],
-        "get": {"summary": "Get a tenant", "security": admin,
-                "responses": {"200": _resp("tenant", ref("Tenant")), **_errors(401, 403, 404)}},
-        "patch": {"summary": "Update a tenant (name, disabled, limits, filters)", "security": admin,
-                  "requestBody": {"required": True, "content": {"application/json": {"schema": ref("TenantPatch")}}},
-                  "responses": {"200": _resp("tenant", ref("Tenant")), **_errors(400, 401, 403, 404, 409)}},
-        "delete": {"summary": "Delete a tenant (its keys are revoked; usage is kept)", "security": admin,
-                   "responses": {"200": _resp("deleted", {"type": "object"}), **_errors(401, 403, 404)}}}
+        "get": {
+            "summary": "Get a tenant",
+            "security": admin,
+            "responses": {"200": _resp("tenant", ref("Tenant")), **_errors(401, 403, 404)},
+        },
+        "patch": {
+            "summary": "Update a tenant (name, disabled, limits, filters)",
+            "security": admin,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ref("TenantPatch")}},
+            },
+            "responses": {"200": _resp("tenant", ref("Tenant")), **_errors(400, 401, 403, 404, 409)},
+        },
+        "delete": {
+            "summary": "Delete a tenant (its keys are revoked; usage is kept)",
+            "security": admin,
+            "responses": {"200": _resp("deleted", {"type": "object"}), **_errors(401, 403, 404)},
+        },
+    }
     P[f"{A}/tenants/{{tenant_id}}/keys"] = {
         "parameters": [tid],
-        "post": {"summary": "Create an API key (the secret is returned once)", "security": admin,
-                 "requestBody": {"content": {"application/json": {"schema": ref("ApiKeyCreate")}}},
-                 "responses": {"201": _resp("created", ref("ApiKeyCreated")), **_errors(400, 401, 403, 404)}},
-        "get": {"summary": "List a tenant's keys (prefixes only)", "security": admin,
-                "responses": {"200": _resp("keys", {"type": "object", "properties": {
-                    "object": {"const": "list"}, "data": {"type": "array", "items": ref("ApiKey")}}}),
-                    **_errors(401, 403, 404)}}}
+        "post": {
+            "summary": "Create an API key (the secret is returned once)",
+            "security": admin,
+            "requestBody": {"content": {"application/json": {"schema": ref("ApiKeyCreate")}}},
+            "responses": {"201": _resp("created", ref("ApiKeyCreated")), **_errors(400, 401, 403, 404)},
+        },
+        "get": {
+            "summary": "List a tenant's keys (prefixes only)",
+            "security": admin,
+            "responses": {
+                "200": _resp(
+                    "keys",
+                    {
+                        "type": "object",
+                        "properties": {
+                            "object": {"const": "list"},
+                            "data": {"type": "array", "items": ref("ApiKey")},
+                        },
+                    },
+                ),
+                **_errors(401, 403, 404),
+            },
+        },
+    }
     P[f"{A}/keys/{{key_id}}"] = {
         "parameters": [{"name": "key_id", "in": "path", "required": True, "schema": {"type": "string"}}],
-        "delete": {"summary": "Revoke a key", "security": admin,
-                   "responses": {"200": _resp("revoked", ref("ApiKey")), **_errors(401, 403, 404)}},
-        "get": {"summary": "Get a key (prefix only)", "security": admin,
-                "responses": {"200": _resp("key", ref("ApiKey")), **_errors(401, 403, 404)}},
-        "patch": {"summary": "Change a key's name, expiry or own limits (applies at once)", "security": admin,
-                  "requestBody": {"required": True, "content": {"application/json": {"schema": ref("ApiKeyCreate")}}},
-                  "responses": {"200": _resp("key", ref("ApiKey")), **_errors(400, 401, 403, 404)}}}
+        "delete": {
+            "summary": "Revoke a key",
+            "security": admin,
+            "responses": {"200": _resp("revoked", ref("ApiKey")), **_errors(401, 403, 404)},
+        },
+        "get": {
+            "summary": "Get a key (prefix only)",
+            "security": admin,
+            "responses": {"200": _resp("key", ref("ApiKey")), **_errors(401, 403, 404)},
+        },
+        "patch": {
+            "summary": "Change a key's name, expiry or own limits (applies at once)",
+            "security": admin,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ref("ApiKeyCreate")}},
+            },
+            "responses": {"200": _resp("key", ref("ApiKey")), **_errors(400, 401, 403, 404)},
+        },
+    }
     P[f"{A}/tenants/{{tenant_id}}/limits"] = {
         "parameters": [tid],
-        "get": {"summary": "Get limits", "security": admin,
-                "responses": {"200": _resp("limits", ref("Limits")), **_errors(401, 403, 404)}},
-        "put": {"summary": "Replace limits (missing/null field = unlimited; applies at once)", "security": admin,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("Limits")}}},
-                "responses": {"200": _resp("limits", ref("Limits")), **_errors(400, 401, 403, 404)}}}
+        "get": {
+            "summary": "Get limits",
+            "security": admin,
+            "responses": {"200": _resp("limits", ref("Limits")), **_errors(401, 403, 404)},
+        },
+        "put": {
+            "summary": "Replace limits (missing/null field = unlimited; applies at once)",
+            "security": admin,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref("Limits")}}},
+            "responses": {"200": _resp("limits", ref("Limits")), **_errors(400, 401, 403, 404)},
+        },
+    }
     P[f"{A}/tenants/{{tenant_id}}/usage"] = {
-        "parameters": [tid, *({"name": n, "in": "query", "schema": {"type": "string"},
-                               "description": "UNIX seconds or ISO-8601 (UTC)"} for n in ("since", "until"))],
-        "get": {"summary": "Usage totals and per-day sums", "security": admin,
-                "responses": {"200": _resp("usage", ref("Usage")), **_errors(400, 401, 403, 404)}}}
+        "parameters": [
+            tid,
+            *(
+                {
+                    "name": n,
+                    "in": "query",
+                    "schema": {"type": "string"},
+                    "description": "UNIX seconds or ISO-8601 (UTC)",
+                }
+                for n in ("since", "until")
+            ),
+        ],
+        "get": {
+            "summary": "Usage totals and per-day sums",
+            "security": admin,
+            "responses": {"200": _resp("usage", ref("Usage")), **_errors(400, 401, 403, 404)},
+        },
+    }
     P[f"{A}/tenants/{{tenant_id}}/filters"] = {
         "parameters": [tid],
-        "get": {"summary": "Get the tenant's filter config", "security": admin,
-                "responses": {"200": _resp("filters", {}), **_errors(401, 403, 404)}},
-        "put": {"summary": "Replace the tenant's filter config (validated)", "security": admin,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {}}}},
-                "responses": {"200": _resp("filters", {}), **_errors(400, 401, 403, 404)}}}
+        "get": {
+            "summary": "Get the tenant's filter config",
+            "security": admin,
+            "responses": {"200": _resp("filters", {}), **_errors(401, 403, 404)},
+        },
+        "put": {
+            "summary": "Replace the tenant's filter config (validated)",
+            "security": admin,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {}}}},
+            "responses": {"200": _resp("filters", {}), **_errors(400, 401, 403, 404)},
+        },
+    }
     return spec
 
 

@@ -85,8 +85,17 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
 class Gateway:
     """Process-wide state, read-only for handlers: config, backend pool, tokenizer/template, plug-ins."""
 
-    def __init__(self, config: GatewayConfig, pool: Any, tokenizer: Any, template: Any, *, tenancy: Any = None,
-                 filters: Any = None, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: Any,
+        tokenizer: Any,
+        template: Any,
+        *,
+        tenancy: Any = None,
+        filters: Any = None,
+        metrics: Any = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.tokenizer = tokenizer
@@ -132,7 +141,11 @@ class Gateway:
         names = self.model_names()
         if model in names:
             return model
-        raise NotFound(f"The model '{model}' does not exist. Available: {', '.join(names)}.", param="model", code="model_not_found")
+        raise NotFound(
+            f"The model '{model}' does not exist. Available: {', '.join(names)}.",
+            param="model",
+            code="model_not_found",
+        )
 
     async def authenticate(self, request: Request) -> Any:
         if self.tenancy is None:
@@ -144,7 +157,9 @@ class Gateway:
         if self.tenancy is None or principal is None:
             return None
         tenancy = self.tenancy
-        return lambda rid: tenancy.admit(principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=rid)
+        return lambda rid: tenancy.admit(
+            principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=rid
+        )
 
     def output_filter(self, principal: Any) -> Any:
         """``factory()`` -> a per-choice output filter for this tenant, or None (no output-stage hook)."""
@@ -202,7 +217,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     whether announced by Content-Length or sent chunked."""
     cl = request.headers.get("content-length")
     if cl is not None and cl.strip().isdigit() and int(cl) > limit:
-        raise PayloadTooLarge(f"Request body of {int(cl)} bytes exceeds the limit of {limit} bytes.", code="request_too_large")
+        raise PayloadTooLarge(
+            f"Request body of {int(cl)} bytes exceeds the limit of {limit} bytes.", code="request_too_large"
+        )
     parts: list[bytes] = []
     size = 0
     stream = request.stream()
@@ -220,14 +237,22 @@ async def read_body(request: Request, limit: int) -> bytes:
                         break
             if scope.cancelled_caught:
                 headers = {"connection": "close"}
-            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.", code="request_too_large", headers=headers)
+            raise PayloadTooLarge(
+                f"Request body exceeds the limit of {limit} bytes.", code="request_too_large", headers=headers
+            )
         if chunk:
             parts.append(chunk)
     return b"".join(parts)
 
 
-def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: int, *, prompt_param: str = "messages",
-                       max_param: str = "max_tokens") -> int:
+def resolve_max_tokens(
+    prompt_len: int,
+    requested: int | None,
+    context_length: int,
+    *,
+    prompt_param: str = "messages",
+    max_param: str = "max_tokens",
+) -> int:
     """Tokens to generate: ``requested``, or what fits in the context when absent.
 
     Args:
@@ -252,7 +277,8 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: i
         raise InvalidRequest(
             f"'{max_param}' is too large: {requested}. This model's maximum context length is {context_length} tokens and "
             f"your prompt has {prompt_len} tokens, so '{max_param}' can be at most {context_length - prompt_len}.",
-            param=max_param, code="invalid_value",
+            param=max_param,
+            code="invalid_value",
         )
     return requested
 
@@ -305,23 +331,39 @@ async def chat_completions(request: Request) -> Any:
     if req.max_completion_tokens is not None:
         max_param = "max_completion_tokens"
         if req.max_completion_tokens < 1:
-            raise InvalidRequest("Invalid value for 'max_completion_tokens': must be >= 1.", param="max_completion_tokens", code="invalid_value")
+            raise InvalidRequest(
+                "Invalid value for 'max_completion_tokens': must be >= 1.",
+                param="max_completion_tokens",
+                code="invalid_value",
+            )
         req.max_tokens = req.max_completion_tokens
     validate_common(req, vocab_size=card.vocab_size or gw.tokenizer.vocab_size)
     stops = normalize_stop(req.stop)
     top = req.top_logprobs
     if top is not None:
         if top < 0 or top > MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"Invalid value for 'top_logprobs': {top} (must be between 0 and {MAX_TOP_LOGPROBS}).", param="top_logprobs", code="invalid_value")
+            raise InvalidRequest(
+                f"Invalid value for 'top_logprobs': {top} (must be between 0 and {MAX_TOP_LOGPROBS}).",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         if top > 0 and not req.logprobs:
-            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs", code="invalid_value")
+            raise InvalidRequest(
+                "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs", code="invalid_value"
+            )
     messages = req.messages
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
-    ids = (await gw.tokenize(
-        lambda: gw.template.render(messages, add_generation_prompt=req.add_generation_prompt,
-                                   continue_final_message=req.continue_final_message),
-        _chars(messages))).ids
+    ids = (
+        await gw.tokenize(
+            lambda: gw.template.render(
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+            ),
+            _chars(messages),
+        )
+    ).ids
     max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length, max_param=max_param)
     sampling = _sampling(req, max_tokens, logprobs=req.logprobs, top_logprobs=top or 0)
     rec = _record(request)
@@ -331,11 +373,20 @@ async def chat_completions(request: Request) -> Any:
         t0 = min(t0, getattr(rec, "t_arrival", t0))
         rec.set_prompt(messages)  # kept only with --log-content (observability)
     gen = Generation(
-        gw, kind="chat", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
-        include_stop=req.include_stop_str_in_output, logprobs="chat" if req.logprobs else None,
+        gw,
+        kind="chat",
+        model=model,
+        prompt_ids=ids,
+        sampling=sampling,
+        stops=stops,
+        include_stop=req.include_stop_str_in_output,
+        logprobs="chat" if req.logprobs else None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n, model),
-        record=rec, t_arrival=t0, output_filter=gw.output_filter(principal),
+        cache_salt=_tenant_id(principal),
+        admission=gw.admission(principal, len(ids), max_tokens * req.n, model),
+        record=rec,
+        t_arrival=t0,
+        output_filter=gw.output_filter(principal),
     )
     return CallResponse(gen.stream if req.stream else gen.complete)
 
@@ -357,7 +408,11 @@ async def completions(request: Request) -> Any:
         raise InvalidRequest("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
     lp = req.logprobs
     if lp is not None and (lp < 0 or lp > MAX_COMPLETION_LOGPROBS):
-        raise InvalidRequest(f"Invalid value for 'logprobs': {lp} (must be between 0 and {MAX_COMPLETION_LOGPROBS}).", param="logprobs", code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for 'logprobs': {lp} (must be between 0 and {MAX_COMPLETION_LOGPROBS}).",
+            param="logprobs",
+            code="invalid_value",
+        )
     p = req.prompt
     if gw.filters is not None and isinstance(p, str):  # prompt hooks see a raw prompt as one user message
         p = (await gw.filters.check_prompt(principal, [{"role": "user", "content": p}]))[0]["content"]
@@ -368,16 +423,23 @@ async def completions(request: Request) -> Any:
         ids = list(p)  # type: ignore[arg-type]
         vocab = card.vocab_size or gw.tokenizer.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
-            raise InvalidRequest("'prompt' holds a token id outside the vocabulary.", param="prompt", code="invalid_value")
+            raise InvalidRequest(
+                "'prompt' holds a token id outside the vocabulary.", param="prompt", code="invalid_value"
+            )
     elif isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         text = p[0]
         ids = await gw.tokenize(lambda: gw.tokenizer.encode_plain(text), len(text))
     else:
-        raise InvalidRequest("'prompt' must be one string, a one-string array, or an array of token ids (batches are not supported).", param="prompt", code="invalid_value")
+        raise InvalidRequest(
+            "'prompt' must be one string, a one-string array, or an array of token ids (batches are not supported).",
+            param="prompt",
+            code="invalid_value",
+        )
     if not ids:
         raise InvalidRequest("'prompt' is empty.", param="prompt", code="invalid_value")
-    max_tokens = resolve_max_tokens(len(ids), 16 if req.max_tokens is None else req.max_tokens, card.context_length,
-                                    prompt_param="prompt")
+    max_tokens = resolve_max_tokens(
+        len(ids), 16 if req.max_tokens is None else req.max_tokens, card.context_length, prompt_param="prompt"
+    )
     sampling = _sampling(req, max_tokens, logprobs=lp is not None, top_logprobs=lp or 0)
     rec = _record(request)
     if rec is not None:
@@ -385,11 +447,20 @@ async def completions(request: Request) -> Any:
         rec.tenant = _tenant_id(principal) or None
         rec.set_prompt(p)  # kept only with --log-content (observability)
     gen = Generation(
-        gw, kind="completion", model=model, prompt_ids=ids, sampling=sampling, stops=stops,
-        include_stop=req.include_stop_str_in_output, logprobs="completion" if lp is not None else None,
+        gw,
+        kind="completion",
+        model=model,
+        prompt_ids=ids,
+        sampling=sampling,
+        stops=stops,
+        include_stop=req.include_stop_str_in_output,
+        logprobs="completion" if lp is not None else None,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=_tenant_id(principal), admission=gw.admission(principal, len(ids), max_tokens * req.n, model),
-        record=rec, t_arrival=t0, output_filter=gw.output_filter(principal),
+        cache_salt=_tenant_id(principal),
+        admission=gw.admission(principal, len(ids), max_tokens * req.n, model),
+        record=rec,
+        t_arrival=t0,
+        output_filter=gw.output_filter(principal),
     )
     return CallResponse(gen.stream if req.stream else gen.complete)
 
@@ -399,10 +470,17 @@ def model_object(gw: Gateway, name: str, card: ModelCard) -> dict[str, Any]:
     (id/object/created/owned_by) plus the card's extension members (context length, quantization, dtype,
     device...). One entry of ``GET /v1/models`` and the body of ``GET /v1/models/{model_id}``."""
     return {
-        "id": name, "object": "model", "created": gw.started, "owned_by": "gateway",
-        "context_length": card.context_length, "max_model_len": card.context_length,
-        "quantization": card.quantization, "dtype": card.dtype, "device": card.device,
-        "attention_backend": card.attention_backend, "architecture": card.architecture,
+        "id": name,
+        "object": "model",
+        "created": gw.started,
+        "owned_by": "gateway",
+        "context_length": card.context_length,
+        "max_model_len": card.context_length,
+        "quantization": card.quantization,
+        "dtype": card.dtype,
+        "device": card.device,
+        "attention_backend": card.attention_backend,
+        "architecture": card.architecture,
         "vocab_size": card.vocab_size,
     }
 
@@ -414,7 +492,9 @@ async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     await gw.authenticate(request)
     card = gw.card
-    return JSONResponse({"object": "list", "data": [model_object(gw, name, card) for name in gw.model_names()]})
+    return JSONResponse(
+        {"object": "list", "data": [model_object(gw, name, card) for name in gw.model_names()]}
+    )
 
 
 async def retrieve_model(request: Request) -> Response:
@@ -457,8 +537,21 @@ async def admin_stats(request: Request) -> Response:
     """GET /admin/v1/stats: summed backend ``Stats`` + per-backend supervisor state (Bearer admin key)."""
     gw: Gateway = request.app.state.gateway
     await gw.check_admin(request)
-    fields = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_queries",
-              "prefix_cache_hits", "preemptions", "aborts", "requests_finished", "prompt_tokens", "generation_tokens", "steps")
+    fields = (
+        "running",
+        "waiting",
+        "kv_blocks_used",
+        "kv_blocks_total",
+        "kv_blocks_cached",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "preemptions",
+        "aborts",
+        "requests_finished",
+        "prompt_tokens",
+        "generation_tokens",
+        "steps",
+    )
     total: dict[str, Any] = {f: 0 for f in fields}
     device = attention = None
     backends = []
@@ -534,5 +627,10 @@ def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list
     # observability: /metrics, Ollama API routes, x-request-id, access log (outermost wrapper, forwards attributes)
     from gateway.metrics import instrument
 
-    return instrument(app, gw, tenant_label=gw.config.metrics_tenant_label, log_content=gw.config.log_content,
-                      access_log=gw.config.access_log)
+    return instrument(
+        app,
+        gw,
+        tenant_label=gw.config.metrics_tenant_label,
+        log_content=gw.config.log_content,
+        access_log=gw.config.access_log,
+    )

@@ -75,14 +75,19 @@ class SlowConsumer(APIError):
     type = "server_error"
 
     def __init__(self) -> None:
-        super().__init__("The client did not read the response fast enough; the request was aborted.", code="slow_consumer")
+        super().__init__(
+            "The client did not read the response fast enough; the request was aborted.", code="slow_consumer"
+        )
 
 
 def request_error_to_api(err: RequestError) -> APIError:
     """Map a backend ``RequestError`` (OpenAI-style code) to the gateway's exception tree."""
     if err.code == "context_length_exceeded":
         return ContextLengthExceeded(err.message, param=err.param or "messages")
-    if err.code in ("invalid_request_error", "invalid_parameter"):  # the backend's names for OpenAI's invalid_value
+    if err.code in (
+        "invalid_request_error",
+        "invalid_parameter",
+    ):  # the backend's names for OpenAI's invalid_value
         return InvalidRequest(err.message, param=err.param, code="invalid_value")
     if err.code == "invalid_token_id":
         return InvalidRequest(err.message, param=err.param, code=err.code)
@@ -136,7 +141,18 @@ class RequestHandle:
     the request has not finished it is removed and ``Abort`` is queued.
     """
 
-    __slots__ = ("request_id", "n", "_client", "_send", "_recv", "_remaining", "error", "done", "submitted_at", "first_rx")
+    __slots__ = (
+        "request_id",
+        "n",
+        "_client",
+        "_send",
+        "_recv",
+        "_remaining",
+        "error",
+        "done",
+        "submitted_at",
+        "first_rx",
+    )
 
     def __init__(self, client: "BackendClient", request_id: str, n: int, buffer: int) -> None:
         self.request_id = request_id
@@ -221,7 +237,15 @@ class BackendClient:
         request_buffer: per-request channel capacity in ``RequestOutput`` messages.
     """
 
-    def __init__(self, stream: trio.abc.Stream, ready: Ready, *, url: str = "", request_buffer: int = DEFAULT_REQUEST_BUFFER, decoder=None) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        ready: Ready,
+        *,
+        url: str = "",
+        request_buffer: int = DEFAULT_REQUEST_BUFFER,
+        decoder=None,
+    ) -> None:
         self.stream = stream
         self.ready = ready
         self.card = ready.model_card
@@ -238,7 +262,9 @@ class BackendClient:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    async def connect(cls, url: str, *, timeout: float = 30.0, request_buffer: int = DEFAULT_REQUEST_BUFFER) -> "BackendClient":
+    async def connect(
+        cls, url: str, *, timeout: float = 30.0, request_buffer: int = DEFAULT_REQUEST_BUFFER
+    ) -> "BackendClient":
         """Connect to ``url``, send ``Hello``, wait for ``Ready``.
 
         Raises:
@@ -263,7 +289,9 @@ class BackendClient:
             if not isinstance(first, Ready):
                 raise ProtocolError(f"expected Ready, got {type(first).__name__}")
             if first.version != PROTOCOL_VERSION:
-                raise ProtocolError(f"backend protocol version {first.version}, gateway speaks {PROTOCOL_VERSION}")
+                raise ProtocolError(
+                    f"backend protocol version {first.version}, gateway speaks {PROTOCOL_VERSION}"
+                )
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise

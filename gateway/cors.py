@@ -46,7 +46,13 @@ EXPOSE_HEADERS = (
 )
 ALLOW_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 #: Request headers allowed when the preflight does not list any (it echoes what it asks for).
-DEFAULT_ALLOW_HEADERS = ("authorization", "content-type", "x-request-id", "openai-organization", "openai-project")
+DEFAULT_ALLOW_HEADERS = (
+    "authorization",
+    "content-type",
+    "x-request-id",
+    "openai-organization",
+    "openai-project",
+)
 
 
 def cors_origins_from_env(var: str = "GATEWAY_CORS_ORIGINS") -> str | list[str]:

@@ -38,7 +38,13 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_table", "_special", "_skip", "_dec", "_done")
 
-    def __init__(self, id_to_bytes: Sequence[bytes], special_ids: Collection[int] = (), *, skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        id_to_bytes: Sequence[bytes],
+        special_ids: Collection[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ):
         self._table = id_to_bytes
         self._special = special_ids if isinstance(special_ids, (set, frozenset)) else frozenset(special_ids)
         self._skip = skip_special_tokens

@@ -54,7 +54,12 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         """The JSON body ``{"error": {...}}``."""
-        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        err: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
         err.update(self.extra)
         return {"error": err}
 
@@ -79,7 +84,10 @@ class ContentFiltered(InvalidRequest):
 
     def __init__(self, message: str, *, result: dict[str, Any], param: str = "messages") -> None:
         super().__init__(
-            message, param=param, code="content_filter", extra={"innererror": {"code": "ResponsibleAIPolicyViolation", "content_filter_result": result}}
+            message,
+            param=param,
+            code="content_filter",
+            extra={"innererror": {"code": "ResponsibleAIPolicyViolation", "content_filter_result": result}},
         )
 
 

@@ -81,7 +81,19 @@ async def _no_admission():
 class ChoiceState:
     """Text pipeline and counters of one choice."""
 
-    __slots__ = ("index", "detok", "stops", "parts", "tokens", "finish", "usage", "timings", "lp", "offset", "of")
+    __slots__ = (
+        "index",
+        "detok",
+        "stops",
+        "parts",
+        "tokens",
+        "finish",
+        "usage",
+        "timings",
+        "lp",
+        "offset",
+        "of",
+    )
 
     def __init__(self, index: int, detok: IncrementalDetokenizer, stops: StopMatcher, of: Any = None) -> None:
         self.index = index
@@ -113,10 +125,24 @@ class Generation:
         record: the observability ``RequestRecord`` or None.
     """
 
-    def __init__(self, gw: Any, *, kind: str, model: str, prompt_ids: list[int], sampling: SamplingParams, stops: list[str],
-                 include_stop: bool, logprobs: str | None, include_usage: bool, cache_salt: str = "",
-                 admission: Any = None, record: Any = None, t_arrival: float | None = None,
-                 output_filter: Any = None) -> None:
+    def __init__(
+        self,
+        gw: Any,
+        *,
+        kind: str,
+        model: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stops: list[str],
+        include_stop: bool,
+        logprobs: str | None,
+        include_usage: bool,
+        cache_salt: str = "",
+        admission: Any = None,
+        record: Any = None,
+        t_arrival: float | None = None,
+        output_filter: Any = None,
+    ) -> None:
         self.gw = gw
         self.kind = kind
         self.model = model
@@ -136,8 +162,12 @@ class Generation:
         self.created = int(time.time())
         tok = gw.tokenizer
         self.choices = [
-            ChoiceState(i, IncrementalDetokenizer(tok.id_to_bytes, tok.special_ids), StopMatcher(stops, include_stop_str_in_output=include_stop),
-                        output_filter() if output_filter is not None else None)
+            ChoiceState(
+                i,
+                IncrementalDetokenizer(tok.id_to_bytes, tok.special_ids),
+                StopMatcher(stops, include_stop_str_in_output=include_stop),
+                output_filter() if output_filter is not None else None,
+            )
             for i in range(self.n)
         ]
         self.open = self.n  # choices not finished (client's view)
@@ -241,7 +271,10 @@ class Generation:
         tb = self.gw.tokenizer.id_to_bytes
         out = []
         for it in items:
-            top = [TopLogprob(self._token_str(t), lp, list(tb[t])) for t, lp in (it.top or [])[: self.sampling.top_logprobs]]
+            top = [
+                TopLogprob(self._token_str(t), lp, list(tb[t]))
+                for t, lp in (it.top or [])[: self.sampling.top_logprobs]
+            ]
             out.append(TokenLogprobOut(self._token_str(it.token_id), it.logprob, list(tb[it.token_id]), top))
         return out
 
@@ -264,12 +297,20 @@ class Generation:
                 c += max(st.usage.completion_tokens, st.tokens)
             else:
                 c += st.tokens
-        return UsageOut(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+        return UsageOut(
+            prompt_tokens=p,
+            completion_tokens=c,
+            total_tokens=p + c,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
 
     def timings(self, st: ChoiceState | None = None) -> dict[str, int]:
         now = time.perf_counter()
         states = [st] if st is not None else self.choices
-        d: dict[str, int] = {"prompt_eval_count": len(self.prompt_ids), "eval_count": sum(s.tokens for s in states)}
+        d: dict[str, int] = {
+            "prompt_eval_count": len(self.prompt_ids),
+            "eval_count": sum(s.tokens for s in states),
+        }
         tms = [s.timings for s in states if s.timings is not None]
         if tms:
             d["queue_duration"] = _ns(max(t.queue for t in tms))
@@ -283,14 +324,34 @@ class Generation:
             h = getattr(self, "_handle", None)
             rx = h.first_rx if h is not None else None
             if rx is not None and self.t_first_sent is not None:
-                d["gateway_overhead_duration"] = _ns((self.t_submit - self.t_arrival) + (self.t_first_sent - rx))
+                d["gateway_overhead_duration"] = _ns(
+                    (self.t_submit - self.t_arrival) + (self.t_first_sent - rx)
+                )
         d["total_duration"] = _ns(now - self.t_arrival)
         return d
 
     def _chunk(self, choices: list, **kw: Any) -> bytes:
         if self.kind == "chat":
-            return encode(ChatChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model, choices=choices, **kw))
-        return encode(Completion(id=self.id, object="text_completion", created=self.created, model=self.model, choices=choices, **kw))
+            return encode(
+                ChatChunk(
+                    id=self.id,
+                    object="chat.completion.chunk",
+                    created=self.created,
+                    model=self.model,
+                    choices=choices,
+                    **kw,
+                )
+            )
+        return encode(
+            Completion(
+                id=self.id,
+                object="text_completion",
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                **kw,
+            )
+        )
 
     def _delta_chunk(self, st: ChoiceState, text: str, lps: list | None) -> bytes:
         if self.kind == "chat":
@@ -302,11 +363,27 @@ class Generation:
 
     def _finish_chunk(self, st: ChoiceState) -> bytes:
         if st.finish == "content_filter" and st.of is not None and st.of.result:
-            obj = msgspec.to_builtins(ChatChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model,
-                                                choices=[ChunkChoice(st.index, Delta(), None, st.finish)], timings=self.timings(st)))
+            obj = msgspec.to_builtins(
+                ChatChunk(
+                    id=self.id,
+                    object="chat.completion.chunk",
+                    created=self.created,
+                    model=self.model,
+                    choices=[ChunkChoice(st.index, Delta(), None, st.finish)],
+                    timings=self.timings(st),
+                )
+            )
             if self.kind != "chat":
-                obj = msgspec.to_builtins(Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
-                                                     choices=[CompletionChoice(st.index, "", None, st.finish)], timings=self.timings(st)))
+                obj = msgspec.to_builtins(
+                    Completion(
+                        id=self.id,
+                        object="text_completion",
+                        created=self.created,
+                        model=self.model,
+                        choices=[CompletionChoice(st.index, "", None, st.finish)],
+                        timings=self.timings(st),
+                    )
+                )
             obj["choices"][0]["content_filter_results"] = st.of.result
             return encode(obj)
         if self.kind == "chat":
@@ -315,7 +392,13 @@ class Generation:
 
     # ------------------------------------------------------------------ producers
     def _submit(self) -> Submit:
-        return Submit(request_id=self.id, prompt_ids=self.prompt_ids, sampling=self.sampling, cache_salt=self.cache_salt, arrival_time=time.time())
+        return Submit(
+            request_id=self.id,
+            prompt_ids=self.prompt_ids,
+            sampling=self.sampling,
+            cache_salt=self.cache_salt,
+            arrival_time=time.time(),
+        )
 
     def _admission(self):
         return self.admission(self.id) if self.admission is not None else _no_admission()
@@ -335,9 +418,16 @@ class Generation:
             kw: dict[str, Any] = {}
             if not self.submitted:
                 kw["prompt_tokens"] = 0
-            res.finish(completion_tokens=u.completion_tokens, cached_tokens=u.prompt_tokens_details.cached_tokens,
-                       finish_reason=self.final_reason() or ("abort" if status == 499 else "error" if status != 200 else None),
-                       status=status, timings=secs, model=self.model, **kw)
+            res.finish(
+                completion_tokens=u.completion_tokens,
+                cached_tokens=u.prompt_tokens_details.cached_tokens,
+                finish_reason=self.final_reason()
+                or ("abort" if status == 499 else "error" if status != 200 else None),
+                status=status,
+                timings=secs,
+                model=self.model,
+                **kw,
+            )
         except Exception:  # noqa: BLE001 - billing bookkeeping must not break the response
             import logging
 
@@ -374,9 +464,14 @@ class Generation:
                     with trio.move_on_after(hb):
                         first = await handle.next()
                     await w.start(res.headers)
-                    prefix = b""  # the role chunk travels in the same write as the first content (one send less)
+                    prefix = (
+                        b""  # the role chunk travels in the same write as the first content (one send less)
+                    )
                     if self.kind == "chat":
-                        role = [ChunkChoice(i, Delta(role="assistant", content=""), None, None) for i in range(self.n)]
+                        role = [
+                            ChunkChoice(i, Delta(role="assistant", content=""), None, None)
+                            for i in range(self.n)
+                        ]
                         prefix = b"data: " + self._chunk(role) + b"\n\n"
                         if first is False:
                             await w.raw(prefix)
@@ -399,7 +494,10 @@ class Generation:
                         else:
                             out, pending = pending, False
                         if out is None:
-                            raise InternalError("The inference backend ended the request without finishing it.", code="backend_error")
+                            raise InternalError(
+                                "The inference backend ended the request without finishing it.",
+                                code="backend_error",
+                            )
                         st, text, lps, fin = self.apply(out)  # type: ignore[arg-type]
                         if st is None:
                             continue
@@ -433,7 +531,9 @@ class Generation:
             while self.open > 0:
                 out = await handle.next()
                 if out is None:
-                    raise InternalError("The inference backend ended the request without finishing it.", code="backend_error")
+                    raise InternalError(
+                        "The inference backend ended the request without finishing it.", code="backend_error"
+                    )
                 st, text, lps, fin = self.apply(out)
                 if st is not None and st.of is not None:
                     text, fin = await self.filt(st, text, fin)
@@ -471,9 +571,18 @@ class Generation:
             choices = []
             for st in self.choices:
                 lp = ChoiceLogprobs(st.lp or []) if self.logprobs is not None else None
-                choices.append(ChatChoiceOut(st.index, ChatMessageOut("assistant", "".join(st.parts)), lp, st.finish))
-            return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model, choices=choices,
-                                  usage=self.usage(), timings=self.timings())
+                choices.append(
+                    ChatChoiceOut(st.index, ChatMessageOut("assistant", "".join(st.parts)), lp, st.finish)
+                )
+            return ChatCompletion(
+                id=self.id,
+                object="chat.completion",
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=self.usage(),
+                timings=self.timings(),
+            )
         choices = []
         for st in self.choices:
             lp = None
@@ -487,8 +596,15 @@ class Generation:
                     offs += part.text_offset
                 lp = CompletionLogprobs(toks, lps, tops if self.sampling.top_logprobs else None, offs)
             choices.append(CompletionChoice(st.index, "".join(st.parts), lp, st.finish))
-        return Completion(id=self.id, object="text_completion", created=self.created, model=self.model, choices=choices,
-                          usage=self.usage(), timings=self.timings())
+        return Completion(
+            id=self.id,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(),
+            timings=self.timings(),
+        )
 
 
 __all__ = ["Generation", "NullReservation", "DONE"]

@@ -58,7 +58,6 @@ NDJSON = "application/x-ndjson"
 OLLAMA_VERSION = "0.6.3-gateway"  # what /api/version reports (the client API level we follow)
 
 
-
 # ---------------------------------------------------------------------------- request translation
 
 
@@ -227,7 +226,11 @@ def _done_reason(finish_reason: str | None) -> str:
 
 def error_response(exc: APIError) -> JSONResponse:
     """An ``APIError`` in Ollama's shape ``{"error": message}`` (+ type/code), same status and headers."""
-    return JSONResponse({"error": exc.message, "type": exc.type, "code": exc.code}, status_code=exc.status, headers=exc.headers)
+    return JSONResponse(
+        {"error": exc.message, "type": exc.type, "code": exc.code},
+        status_code=exc.status,
+        headers=exc.headers,
+    )
 
 
 def _openai_error_body(raw: bytes) -> dict:
@@ -279,7 +282,11 @@ def subrequest(request: Request, body: dict) -> Request:
     """
     data = json.dumps(body).encode()
     scope = dict(request.scope)
-    scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"content-length", b"transfer-encoding", b"content-type")] + [
+    scope["headers"] = [
+        (k, v)
+        for k, v in scope.get("headers", [])
+        if k.lower() not in (b"content-length", b"transfer-encoding", b"content-type")
+    ] + [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(data)).encode()),
     ]
@@ -340,7 +347,9 @@ class TranslatedResponse:
         async def start(st: int, ctype: bytes, extra: list[tuple[bytes, bytes]]) -> None:
             nonlocal started
             started = True
-            await send({"type": "http.response.start", "status": st, "headers": [(b"content-type", ctype)] + extra})
+            await send(
+                {"type": "http.response.start", "status": st, "headers": [(b"content-type", ctype)] + extra}
+            )
 
         async def line(obj: dict, more: bool) -> None:
             await send({"type": "http.response.body", "body": _line(obj), "more_body": more})
@@ -351,7 +360,11 @@ class TranslatedResponse:
                 return
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
-                headers = [(k, v) for k, v in msg.get("headers") or [] if k.lower().decode("latin-1") not in _HOP_HEADERS]
+                headers = [
+                    (k, v)
+                    for k, v in msg.get("headers") or []
+                    if k.lower().decode("latin-1") not in _HOP_HEADERS
+                ]
                 ctype = dict((k.lower(), v) for k, v in msg.get("headers") or []).get(b"content-type", b"")
                 if status < 400 and ctype.startswith(b"text/event-stream"):
                     mode = "sse"
@@ -392,7 +405,14 @@ class TranslatedResponse:
                     err = ev["error"] if isinstance(ev["error"], dict) else {"message": str(ev["error"])}
                     get_record(self.request).set_error(err.get("type"), err.get("code"))
                     finished = True
-                    await line({"error": err.get("message", "error"), "type": err.get("type"), "code": err.get("code")}, False)
+                    await line(
+                        {
+                            "error": err.get("message", "error"),
+                            "type": err.get("type"),
+                            "code": err.get("code"),
+                        },
+                        False,
+                    )
                     return
                 if ev.get("usage"):
                     usage = ev["usage"]
@@ -423,8 +443,13 @@ class OllamaAPI:
         model_names: served model names (aliases included); default: the card's name.
     """
 
-    def __init__(self, chat_endpoint: Callable[[Request], Awaitable[Any]], model_card: Callable[[], Any], authenticate: Callable[[Request], Awaitable[Any]] | None = None,
-                 model_names: Callable[[], list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        chat_endpoint: Callable[[Request], Awaitable[Any]],
+        model_card: Callable[[], Any],
+        authenticate: Callable[[Request], Awaitable[Any]] | None = None,
+        model_names: Callable[[], list[str]] | None = None,
+    ) -> None:
         self.chat_endpoint = chat_endpoint
         self.model_card = model_card
         self.authenticate = authenticate
@@ -460,7 +485,8 @@ class OllamaAPI:
             except (ValueError, UnicodeDecodeError):
                 raise InvalidRequest("request body is not valid JSON") from None
             empty = isinstance(body, dict) and (
-                (kind == "generate" and not body.get("prompt") and not body.get("system")) or (kind == "chat" and not body.get("messages"))
+                (kind == "generate" and not body.get("prompt") and not body.get("system"))
+                or (kind == "chat" and not body.get("messages"))
             )
             if empty:
                 # Ollama: an empty prompt / message list only loads (keep_alive 0: unloads) the model.
@@ -472,7 +498,9 @@ class OllamaAPI:
                     obj["message"] = {"role": "assistant", "content": ""}
                 else:
                     obj["response"] = ""
-                obj.update(done=True, done_reason="unload" if body.get("keep_alive") in (0, "0", "0s") else "load")
+                obj.update(
+                    done=True, done_reason="unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
+                )
                 return JSONResponse(obj)
             oa = chat_to_openai(body) if kind == "chat" else generate_to_openai(body)
             inner = await self.chat_endpoint(subrequest(request, oa))
@@ -552,7 +580,13 @@ class OllamaAPI:
         if not card:
             return JSONResponse({"models": []})
         e = self._model_entry(card)
-        e.update({"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0 if card.get("device", "cpu") == "cpu" else e["size"], "context_length": card.get("context_length")})
+        e.update(
+            {
+                "expires_at": "9999-12-31T23:59:59Z",
+                "size_vram": 0 if card.get("device", "cpu") == "cpu" else e["size"],
+                "context_length": card.get("context_length"),
+            }
+        )
         return JSONResponse({"models": [e]})
 
     async def version(self, request: Request) -> JSONResponse:
@@ -570,7 +604,14 @@ class OllamaAPI:
             name = None
         card = self._card()
         if not name or not card or name != card.get("name"):
-            return JSONResponse({"error": f"model '{name}' not found", "type": "invalid_request_error", "code": "model_not_found"}, status_code=404)
+            return JSONResponse(
+                {
+                    "error": f"model '{name}' not found",
+                    "type": "invalid_request_error",
+                    "code": "model_not_found",
+                },
+                status_code=404,
+            )
         arch = card.get("architecture", "llama")
         e = self._model_entry(card)
         return JSONResponse(

@@ -82,7 +82,9 @@ class RequestRecord:
         itl_s: inter-token gaps, one per token-carrying output after the first (seconds).
     """
 
-    def __init__(self, request_id: str, method: str = "", path: str = "", route: str = "", *, log_content: bool = False) -> None:
+    def __init__(
+        self, request_id: str, method: str = "", path: str = "", route: str = "", *, log_content: bool = False
+    ) -> None:
         self.request_id = request_id
         self.method = method
         self.path = path
@@ -187,7 +189,9 @@ class RequestRecord:
         if text and self.log_content:
             self.output_parts.append(text)
 
-    def on_finish(self, finish_reason: str | None, usage: Usage | None = None, timings: Timings | None = None) -> None:
+    def on_finish(
+        self, finish_reason: str | None, usage: Usage | None = None, timings: Timings | None = None
+    ) -> None:
         """One choice finished: its finish reason, ``Usage`` (tokens) and ``Timings`` (seconds).
 
         prompt/cached tokens are taken once; completion tokens add up over
@@ -230,7 +234,9 @@ class RequestRecord:
     def log_fields(self) -> dict[str, Any]:
         """The access-log line as a dict (JSON-serialisable)."""
         d: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(self.wall_arrival, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "ts": datetime.fromtimestamp(self.wall_arrival, timezone.utc)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
             "request_id": self.request_id,
             "method": self.method,
             "path": self.path,
@@ -297,7 +303,11 @@ def configure_access_log(destination: str | None = "-", level: int = logging.INF
     if destination in (None, "", "off", "none"):
         logger.setLevel(logging.CRITICAL + 1)
         return None
-    handler: logging.Handler = logging.StreamHandler(sys.stderr) if destination == "-" else logging.FileHandler(destination, encoding="utf-8")
+    handler: logging.Handler = (
+        logging.StreamHandler(sys.stderr)
+        if destination == "-"
+        else logging.FileHandler(destination, encoding="utf-8")
+    )
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler._gateway_access = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
@@ -307,7 +317,11 @@ def configure_access_log(destination: str | None = "-", level: int = logging.INF
 
 def add_cli_args(parser: Any) -> None:
     """Add ``--access-log`` and ``--log-content`` to an argparse parser."""
-    parser.add_argument("--access-log", default="-", help="where JSON access-log lines go: '-' (stderr, default), a file path, or 'off'")
+    parser.add_argument(
+        "--access-log",
+        default="-",
+        help="where JSON access-log lines go: '-' (stderr, default), a file path, or 'off'",
+    )
     parser.add_argument(
         "--log-content",
         action="store_true",
@@ -411,7 +425,9 @@ class ObservabilityMiddleware:
         if not valid_request_id(rid):
             rid = new_request_id()
         path = scope.get("path", "")
-        rec = RequestRecord(rid, scope.get("method", ""), path, self.route_label(path), log_content=self.log_content)
+        rec = RequestRecord(
+            rid, scope.get("method", ""), path, self.route_label(path), log_content=self.log_content
+        )
         rec.metrics = self.metrics
         scope[SCOPE_KEY] = rec
         scope.setdefault("state", {})

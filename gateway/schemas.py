@@ -106,14 +106,24 @@ def _decode(body: bytes, typ: type) -> Any:
         if missing:  # OpenAI: "Missing required parameter: 'messages'." param = the missing field
             field = missing.group(1)
             param = f"{param}.{field}" if param else field
-            raise InvalidRequest(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter") from None
+            raise InvalidRequest(
+                f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+            ) from None
         if param == "":
             param = None
-        raise InvalidRequest(f"Invalid request body: {msg}", param=param, code="invalid_type" if "Expected" in msg else "invalid_value") from None
+        raise InvalidRequest(
+            f"Invalid request body: {msg}",
+            param=param,
+            code="invalid_type" if "Expected" in msg else "invalid_value",
+        ) from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+        raise InvalidRequest(
+            f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+        ) from None
     except RecursionError:
-        raise InvalidRequest("We could not parse the JSON body of your request: nested too deeply.", code="invalid_json") from None
+        raise InvalidRequest(
+            "We could not parse the JSON body of your request: nested too deeply.", code="invalid_json"
+        ) from None
 
 
 def decode_chat(body: bytes) -> ChatRequest:
@@ -135,7 +145,11 @@ def _range(value: float | int | None, name: str, lo: float, hi: float, *, lo_ope
         return
     if value != value or (value <= lo if lo_open else value < lo) or value > hi:  # NaN fails too
         lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise InvalidRequest(f"Invalid value for '{name}': {value} (must be {lo_s} and <= {hi}).", param=name, code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for '{name}': {value} (must be {lo_s} and <= {hi}).",
+            param=name,
+            code="invalid_value",
+        )
 
 
 def validate_common(req: SamplingFields, *, vocab_size: int) -> None:
@@ -148,11 +162,19 @@ def validate_common(req: SamplingFields, *, vocab_size: int) -> None:
             [-100, 100]; seed outside [-2**63, 2**64-1]; max_tokens < 1; min_tokens < 0 or > max_tokens; stream_options without stream.
     """
     if req.n < 1 or req.n > MAX_N:
-        raise InvalidRequest(f"Invalid value for 'n': {req.n} (must be between 1 and {MAX_N}).", param="n", code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for 'n': {req.n} (must be between 1 and {MAX_N}).",
+            param="n",
+            code="invalid_value",
+        )
     _range(req.temperature, "temperature", 0.0, 2.0)
     _range(req.top_p, "top_p", 0.0, 1.0, lo_open=True)
     if req.top_k is not None and req.top_k < -1:
-        raise InvalidRequest(f"Invalid value for 'top_k': {req.top_k} (must be -1, 0 (disabled) or positive).", param="top_k", code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for 'top_k': {req.top_k} (must be -1, 0 (disabled) or positive).",
+            param="top_k",
+            code="invalid_value",
+        )
     _range(req.min_p, "min_p", 0.0, 1.0)
     _range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
     _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
@@ -165,28 +187,52 @@ def validate_common(req: SamplingFields, *, vocab_size: int) -> None:
                 tid = -1
             if tid < 0 or tid >= vocab_size or not key.strip().lstrip("-").isdigit():
                 raise InvalidRequest(
-                    f"Invalid key in 'logit_bias': {key!r} is not a token id in [0, {vocab_size}).", param="logit_bias", code="invalid_value"
+                    f"Invalid key in 'logit_bias': {key!r} is not a token id in [0, {vocab_size}).",
+                    param="logit_bias",
+                    code="invalid_value",
                 )
             if val != val or val < -100 or val > 100:
                 raise InvalidRequest(
-                    f"Invalid value in 'logit_bias' for token {key}: {val} (must be between -100 and 100).", param="logit_bias", code="invalid_value"
+                    f"Invalid value in 'logit_bias' for token {key}: {val} (must be between -100 and 100).",
+                    param="logit_bias",
+                    code="invalid_value",
                 )
     if req.seed is not None and not (SEED_MIN <= req.seed <= SEED_MAX):
-        raise InvalidRequest(f"Invalid value for 'seed': must be an integer in [{SEED_MIN}, {SEED_MAX}].", param="seed", code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for 'seed': must be an integer in [{SEED_MIN}, {SEED_MAX}].",
+            param="seed",
+            code="invalid_value",
+        )
     if req.max_tokens is not None and req.max_tokens < 1:
-        raise InvalidRequest(f"Invalid value for 'max_tokens': {req.max_tokens} (must be >= 1).", param="max_tokens", code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for 'max_tokens': {req.max_tokens} (must be >= 1).",
+            param="max_tokens",
+            code="invalid_value",
+        )
     if req.min_tokens < 0:
-        raise InvalidRequest("Invalid value for 'min_tokens': must be >= 0.", param="min_tokens", code="invalid_value")
+        raise InvalidRequest(
+            "Invalid value for 'min_tokens': must be >= 0.", param="min_tokens", code="invalid_value"
+        )
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise InvalidRequest(
-            f"Invalid value for 'min_tokens': {req.min_tokens} is larger than max_tokens ({req.max_tokens}).", param="min_tokens", code="invalid_value"
+            f"Invalid value for 'min_tokens': {req.min_tokens} is larger than max_tokens ({req.max_tokens}).",
+            param="min_tokens",
+            code="invalid_value",
         )
     if req.stream_options is not None and not req.stream:
-        raise InvalidRequest("The 'stream_options' parameter is only allowed when 'stream' is true.", param="stream_options", code="invalid_value")
+        raise InvalidRequest(
+            "The 'stream_options' parameter is only allowed when 'stream' is true.",
+            param="stream_options",
+            code="invalid_value",
+        )
     if req.stop_token_ids:
         for t in req.stop_token_ids:
             if t < 0 or t >= vocab_size:
-                raise InvalidRequest(f"Invalid token id in 'stop_token_ids': {t}.", param="stop_token_ids", code="invalid_value")
+                raise InvalidRequest(
+                    f"Invalid token id in 'stop_token_ids': {t}.",
+                    param="stop_token_ids",
+                    code="invalid_value",
+                )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -41,27 +41,60 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="model path (GGUF file or HF dir); default: the default model")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--backend-url", action="append", default=[], metavar="URL",
-                   help="unix:PATH or tcp://HOST:PORT of a running backend (repeatable); no backend is spawned")
-    s.add_argument("--backends", type=int, default=1, help="backend processes to spawn (without --backend-url)")
-    s.add_argument("--admin-key", default=os.environ.get("GATEWAY_ADMIN_KEY"), help="admin bearer key (env GATEWAY_ADMIN_KEY)")
+    s.add_argument(
+        "--backend-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="unix:PATH or tcp://HOST:PORT of a running backend (repeatable); no backend is spawned",
+    )
+    s.add_argument(
+        "--backends", type=int, default=1, help="backend processes to spawn (without --backend-url)"
+    )
+    s.add_argument(
+        "--admin-key",
+        default=os.environ.get("GATEWAY_ADMIN_KEY"),
+        help="admin bearer key (env GATEWAY_ADMIN_KEY)",
+    )
     s.add_argument("--db", default=None, help="tenancy database path (SQLite)")
     s.add_argument("--redis-url", default=None, help="Redis URL for shared rate limits")
-    s.add_argument("--dtype", default=None, help="compute dtype of spawned backends (default: bfloat16, the fast mode; "
-                                                 "float32: the exact mode)")
+    s.add_argument(
+        "--dtype",
+        default=None,
+        help="compute dtype of spawned backends (default: bfloat16, the fast mode; float32: the exact mode)",
+    )
     s.add_argument("--tokenizer", default=None, help="tokenizer/template source (default: the model)")
-    s.add_argument("--served-model-name", action="append", default=[], help="extra accepted model name (repeatable)")
+    s.add_argument(
+        "--served-model-name", action="append", default=[], help="extra accepted model name (repeatable)"
+    )
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    s.add_argument("--sse-heartbeat", type=float, default=5.0, help="seconds between ': ping' comments while waiting")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
-    s.add_argument("--backend-wait", type=float, default=30.0, help="seconds a request waits for a restarting backend")
+    s.add_argument(
+        "--sse-heartbeat", type=float, default=5.0, help="seconds between ': ping' comments while waiting"
+    )
+    s.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown"
+    )
+    s.add_argument(
+        "--backend-wait", type=float, default=30.0, help="seconds a request waits for a restarting backend"
+    )
     s.add_argument("--backend-startup-timeout", type=float, default=600.0)
-    s.add_argument("--request-buffer", type=int, default=DEFAULT_REQUEST_BUFFER,
-                   help="backend outputs buffered per request before a slow client is aborted")
-    s.add_argument("--thread-tokenize-chars", type=int, default=8192,
-                   help="prompts longer than this (characters) are templated/tokenized in a worker thread; 0: never")
+    s.add_argument(
+        "--request-buffer",
+        type=int,
+        default=DEFAULT_REQUEST_BUFFER,
+        help="backend outputs buffered per request before a slow client is aborted",
+    )
+    s.add_argument(
+        "--thread-tokenize-chars",
+        type=int,
+        default=8192,
+        help="prompts longer than this (characters) are templated/tokenized in a worker thread; 0: never",
+    )
     s.add_argument("--log-level", default="INFO")
-    from gateway import metrics, request_log  # observability flags: --metrics-tenant-label, --access-log, --log-content
+    from gateway import (
+        metrics,
+        request_log,
+    )  # observability flags: --metrics-tenant-label, --access-log, --log-content
 
     metrics.add_cli_args(s)
     request_log.add_cli_args(s)
@@ -93,16 +126,28 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
     if args.dtype:
         extra += ["--dtype", args.dtype]
     if args.backend_url:
-        sups = [BackendSupervisor(url=u, name=f"backend-{i}", request_buffer=args.request_buffer) for i, u in enumerate(args.backend_url)]
+        sups = [
+            BackendSupervisor(url=u, name=f"backend-{i}", request_buffer=args.request_buffer)
+            for i, u in enumerate(args.backend_url)
+        ]
     else:
         spec = SpawnSpec(model=model, extra_args=extra, startup_timeout=args.backend_startup_timeout)
-        sups = [BackendSupervisor(spawn=spec, name=f"backend-{i}", request_buffer=args.request_buffer) for i in range(max(1, args.backends))]
+        sups = [
+            BackendSupervisor(spawn=spec, name=f"backend-{i}", request_buffer=args.request_buffer)
+            for i in range(max(1, args.backends))
+        ]
     pool = BackendPool(sups, wait_timeout=args.backend_wait)
-    config = GatewayConfig(max_body_bytes=args.max_body_bytes, heartbeat_s=args.sse_heartbeat, backend_wait_s=args.backend_wait,
-                           admin_key=args.admin_key, served_model_names=list(args.served_model_name),
-                           thread_tokenize_chars=args.thread_tokenize_chars,
-                           metrics_tenant_label=args.metrics_tenant_label, log_content=args.log_content,
-                           access_log=args.access_log)
+    config = GatewayConfig(
+        max_body_bytes=args.max_body_bytes,
+        heartbeat_s=args.sse_heartbeat,
+        backend_wait_s=args.backend_wait,
+        admin_key=args.admin_key,
+        served_model_names=list(args.served_model_name),
+        thread_tokenize_chars=args.thread_tokenize_chars,
+        metrics_tenant_label=args.metrics_tenant_label,
+        log_content=args.log_content,
+        access_log=args.access_log,
+    )
 
     async with trio.open_nursery() as nursery:
         shutdown = trio.Event()
@@ -142,14 +187,20 @@ async def serve(args: argparse.Namespace, passthrough: list[str]) -> None:
         bound = await nursery.start(http)
         base = f"http://{args.host}:{args.port}"
         name = gw.model_names()[0] if gw.model_names() else "model"
-        print(f"Gateway ready on {base} (model {name!r}, backends: {', '.join(s.url for s in sups)})\n"
-              f"  curl {base}/v1/chat/completions -H \"Authorization: Bearer $API_KEY\" -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 100}}'",
-              flush=True)
+        print(
+            f"Gateway ready on {base} (model {name!r}, backends: {', '.join(s.url for s in sups)})\n"
+            f"  curl {base}/v1/chat/completions -H \"Authorization: Bearer $API_KEY\" -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 100}}\'',
+            flush=True,
+        )
         if gw.tenancy is not None:
             key = gw.tenancy.default_key
-            print(f"  API_KEY={key}  (tenant 'default', created now; shown once)" if key else
-                  "  API_KEY: a tenant key (create one: POST /admin/v1/tenants/{id}/keys with the admin key)", flush=True)
+            print(
+                f"  API_KEY={key}  (tenant 'default', created now; shown once)"
+                if key
+                else "  API_KEY: a tenant key (create one: POST /admin/v1/tenants/{id}/keys with the admin key)",
+                flush=True,
+            )
         log.info("listening on %s", bound)
         await done.wait()
         log.info("HTTP server stopped; stopping backends")
@@ -181,9 +232,16 @@ async def _plugins(gw: Gateway, args: argparse.Namespace, nursery: trio.Nursery)
     async def index(request):
         return FileResponse(os.path.join(static, "index.html"), headers={"cache-control": "no-cache"})
 
-    routes: list = [Mount("/admin/v1", routes=tenancy.routes()), *tenancy.openapi_routes(), *tenancy.tenant_routes()]
+    routes: list = [
+        Mount("/admin/v1", routes=tenancy.routes()),
+        *tenancy.openapi_routes(),
+        *tenancy.tenant_routes(),
+    ]
     if os.path.isdir(static):
-        routes += [Route("/", index, methods=["GET"]), Mount("/static", StaticFiles(directory=static), name="static")]
+        routes += [
+            Route("/", index, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=static), name="static"),
+        ]
     return routes, [Middleware(TenancyMiddleware, tenancy=tenancy)]
 
 
@@ -218,11 +276,22 @@ class DrainGate:
         if self.pool.draining and scope.get("path") not in self.PROBES:
             from gateway.errors import ServiceUnavailable
 
-            err = ServiceUnavailable("The server is shutting down; retry the request.", code="server_shutting_down")
+            err = ServiceUnavailable(
+                "The server is shutting down; retry the request.", code="server_shutting_down"
+            )
             body = msgspec.json.encode(err.body())
-            await send({"type": "http.response.start", "status": 503, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(self.RETRY_AFTER_S).encode()), (b"connection", b"close")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"retry-after", str(self.RETRY_AFTER_S).encode()),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         self.in_flight += 1
@@ -258,11 +327,16 @@ async def _signals(shutdown: trio.Event, pool: BackendPool, scope: trio.CancelSc
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     if args.cmd == "serve":
         if args.backend_url and rest:
-            parser.error(f"unrecognized arguments (nothing to pass them to with --backend-url): {' '.join(rest)}")
+            parser.error(
+                f"unrecognized arguments (nothing to pass them to with --backend-url): {' '.join(rest)}"
+            )
         trio.run(partial(serve, args, rest))
         return 0
     return 2

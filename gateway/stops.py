@@ -25,7 +25,9 @@ from gateway.errors import InvalidRequest
 __all__ = ["StopMatcher", "TextStream", "normalize_stop"]
 
 
-def normalize_stop(value: Any, *, param: str = "stop", max_count: int = 16, max_length: int = 512) -> list[str]:
+def normalize_stop(
+    value: Any, *, param: str = "stop", max_count: int = 16, max_length: int = 512
+) -> list[str]:
     """Normalize the API ``stop`` field: null -> [], a bare string -> [it], an array of strings -> the list.
 
     Empty strings are dropped (they cannot end anything); duplicates are removed, order kept. OpenAI allows
@@ -51,7 +53,9 @@ def normalize_stop(value: Any, *, param: str = "stop", max_count: int = 16, max_
     out: list[str] = []
     for s in items:
         if len(s) > max_length:
-            raise InvalidRequest(f"each '{param}' string may be at most {max_length} characters.", param=param)
+            raise InvalidRequest(
+                f"each '{param}' string may be at most {max_length} characters.", param=param
+            )
         if s and s not in out:
             out.append(s)
     return out
@@ -168,7 +172,14 @@ class TextStream:
 
     __slots__ = ("detok", "stops", "_finished")
 
-    def __init__(self, tokenizer, stops: Iterable[str] = (), *, include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        stops: Iterable[str] = (),
+        *,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         from gateway.detokenizer import IncrementalDetokenizer
 
         self.detok = IncrementalDetokenizer.for_tokenizer(tokenizer, skip_special_tokens=skip_special_tokens)

@@ -58,7 +58,9 @@ class ResponseWriter:
         data = body if isinstance(body, (bytes, bytearray)) else _json.encode(body)
         self.started = True
         self.status = status
-        hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())] + _hdrs(headers)
+        hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())] + _hdrs(
+            headers
+        )
         await self._send({"type": "http.response.start", "status": status, "headers": hdrs})
         await self._send({"type": "http.response.body", "body": bytes(data), "more_body": False})
         self.finished = True
@@ -79,11 +81,15 @@ class ResponseWriter:
             return
         self.started = True
         self.status = 200
-        await self._send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + _hdrs(headers)})
+        await self._send(
+            {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + _hdrs(headers)}
+        )
 
     async def event(self, data: bytes) -> None:
         """Send one ``data:`` event (``data`` is the JSON payload, no newlines)."""
-        await self._send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
+        await self._send(
+            {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
+        )
 
     async def raw(self, data: bytes) -> None:
         """Send pre-framed SSE bytes (several events at once, or a comment)."""

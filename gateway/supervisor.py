@@ -80,8 +80,14 @@ class _Proc:
 class BackendSupervisor:
     """Supervises one backend (spawned when ``spawn`` is given, else external at ``url``)."""
 
-    def __init__(self, *, url: str | None = None, spawn: SpawnSpec | None = None, name: str = "backend-0",
-                 request_buffer: int = DEFAULT_REQUEST_BUFFER) -> None:
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        spawn: SpawnSpec | None = None,
+        name: str = "backend-0",
+        request_buffer: int = DEFAULT_REQUEST_BUFFER,
+    ) -> None:
         if (url is None) == (spawn is None):
             raise ValueError("give exactly one of url / spawn")
         self.name = name
@@ -124,8 +130,15 @@ class BackendSupervisor:
 
     def info(self) -> dict:
         c = self.client
-        return {"name": self.name, "url": self.url, "state": self.state, "pid": self.pid, "restarts": self.restarts,
-                "in_flight": c.in_flight if c else 0, "last_error": self.last_error}
+        return {
+            "name": self.name,
+            "url": self.url,
+            "state": self.state,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "in_flight": c.in_flight if c else 0,
+            "last_error": self.last_error,
+        }
 
     # ------------------------------------------------------------------ actor body
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -145,7 +158,9 @@ class BackendSupervisor:
                         self.client = client
                         self.state = "ready"
                         self.ready_event.set()
-                        log.info("%s ready at %s (pid %s): %s", self.name, self.url, self.pid, client.card.name)
+                        log.info(
+                            "%s ready at %s (pid %s): %s", self.name, self.url, self.pid, client.card.name
+                        )
                         if not started:
                             started = True
                             task_status.started()
@@ -196,7 +211,11 @@ class BackendSupervisor:
         # and a parent-death signal so that a SIGKILLed gateway never leaves an orphan backend (Linux).
         # Popen runs here, in the Trio thread: PR_SET_PDEATHSIG fires when the *forking thread* exits, so a
         # worker thread (what trio.lowlevel.open_process uses) would kill the backend when it is recycled.
-        return _Proc(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent))
+        return _Proc(
+            subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
+            )
+        )
 
     async def _watch_process(self, proc: "_Proc", scope: trio.CancelScope) -> None:
         rc = await proc.wait()
@@ -210,11 +229,16 @@ class BackendSupervisor:
         delay = 0.05
         while True:
             try:
-                return await BackendClient.connect(self.url, timeout=max(1.0, deadline - trio.current_time()),
-                                                   request_buffer=self.request_buffer)
+                return await BackendClient.connect(
+                    self.url,
+                    timeout=max(1.0, deadline - trio.current_time()),
+                    request_buffer=self.request_buffer,
+                )
             except OSError as exc:
                 if trio.current_time() >= deadline:
-                    raise trio.TooSlowError(f"backend at {self.url} not reachable after {timeout:.0f}s: {exc}") from None
+                    raise trio.TooSlowError(
+                        f"backend at {self.url} not reachable after {timeout:.0f}s: {exc}"
+                    ) from None
                 await trio.sleep(delay)
                 delay = min(delay * 1.5, 0.5)
 

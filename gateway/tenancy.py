@@ -49,8 +49,21 @@ log = logging.getLogger("gateway.tenancy")
 
 DEFAULT_DB_PATH = "./data/gateway.db"
 # query parameters that could carry a credential: rejected (401) and redacted from the scope (access logs)
-QUERY_KEY_PARAMS = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token", "auth",
-                              "authorization", "bearer", "secret", "password"})
+QUERY_KEY_PARAMS = frozenset(
+    {
+        "api_key",
+        "api-key",
+        "apikey",
+        "key",
+        "access_token",
+        "token",
+        "auth",
+        "authorization",
+        "bearer",
+        "secret",
+        "password",
+    }
+)
 # Exactly what the gateway serves without a key (gateway/server.py: the playground is GET / and /static/*;
 # /metrics: docs/observability.md; /health: liveness as vLLM's /health; /api/version: no auth, as in Ollama).
 # Matched exactly (see classify_path): any other path, unknown ones, aliases and ``..`` forms included, needs
@@ -81,8 +94,11 @@ class Principal:
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"limits": self.limits.to_dict(), "key_limits": self.key_limits.to_dict() if self.key_limits else None,
-                "filters": self.filters}
+        return {
+            "limits": self.limits.to_dict(),
+            "key_limits": self.key_limits.to_dict() if self.key_limits else None,
+            "filters": self.filters,
+        }
 
 
 def _headers_of(request: Any) -> list[tuple[bytes, bytes]]:
@@ -131,7 +147,9 @@ def redact_query(scope: dict[str, Any]) -> bool:
     if not qs or not query_has_key(scope):
         return False
     pairs = parse_qsl(qs.decode("latin-1"), keep_blank_values=True)
-    clean = [(k, "REDACTED" if (k.lower() in QUERY_KEY_PARAMS or v.startswith("sk-")) else v) for k, v in pairs]
+    clean = [
+        (k, "REDACTED" if (k.lower() in QUERY_KEY_PARAMS or v.startswith("sk-")) else v) for k, v in pairs
+    ]
     scope["query_string"] = urlencode(clean).encode("latin-1")
     return True
 
@@ -153,8 +171,13 @@ def normalize_path(path: str) -> str:
     return out
 
 
-def classify_path(path: str, method: str = "GET", *, public_paths: frozenset[str] = PUBLIC_PATHS,
-                  public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES) -> str:
+def classify_path(
+    path: str,
+    method: str = "GET",
+    *,
+    public_paths: frozenset[str] = PUBLIC_PATHS,
+    public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES,
+) -> str:
     """``"public"``, ``"admin"`` or ``"tenant"`` for a request path (the strictest of the raw and the
     normalized path wins: a path is public only if both forms are; admin if either form is under /admin).
     Public means an exact member of ``public_paths`` (``/health/`` or ``/health/../admin`` is not) or a
@@ -187,9 +210,18 @@ class Reservation:
         request_id, model, prompt_tokens, max_tokens, reserved_tokens (tokens), started_at (UNIX seconds).
     """
 
-    def __init__(self, tenancy: "Tenancy", principal: Principal, dims: list[Dim], member: str,
-                 prompt_tokens: int, max_tokens: int, model: str | None, request_id: str | None,
-                 results: list[DimResult]) -> None:
+    def __init__(
+        self,
+        tenancy: "Tenancy",
+        principal: Principal,
+        dims: list[Dim],
+        member: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str | None,
+        request_id: str | None,
+        results: list[DimResult],
+    ) -> None:
         self._tenancy = tenancy
         self.principal = principal
         self._dims = dims
@@ -211,8 +243,13 @@ class Reservation:
         self.finished = False
         self.closed = False
 
-    def update(self, *, completion_tokens: int | None = None, cached_tokens: int | None = None,
-               prompt_tokens: int | None = None) -> None:
+    def update(
+        self,
+        *,
+        completion_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> None:
         """Record progress (tokens so far): what is billed if the request ends without :meth:`finish`."""
         if completion_tokens is not None:
             self.completion_tokens = int(completion_tokens)
@@ -221,12 +258,22 @@ class Reservation:
         if prompt_tokens is not None:
             self.prompt_tokens = int(prompt_tokens)
 
-    def finish(self, *, completion_tokens: int, cached_tokens: int = 0, finish_reason: str | None = None,
-               status: int | str = 200, timings: dict[str, Any] | None = None, prompt_tokens: int | None = None,
-               model: str | None = None) -> None:
+    def finish(
+        self,
+        *,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        finish_reason: str | None = None,
+        status: int | str = 200,
+        timings: dict[str, Any] | None = None,
+        prompt_tokens: int | None = None,
+        model: str | None = None,
+    ) -> None:
         """Mark the request complete (tokens; ``timings`` in seconds, e.g. ``{"ttft_s":..,"total_s":..}``).
         Pass ``prompt_tokens=0`` for a request rejected before the backend saw it (nothing billed)."""
-        self.update(completion_tokens=completion_tokens, cached_tokens=cached_tokens, prompt_tokens=prompt_tokens)
+        self.update(
+            completion_tokens=completion_tokens, cached_tokens=cached_tokens, prompt_tokens=prompt_tokens
+        )
         self.finish_reason = finish_reason
         self.status = status
         if timings:
@@ -314,9 +361,17 @@ class Tenancy:
         redis_prefix: key prefix in Redis.
     """
 
-    def __init__(self, db_path: str = DEFAULT_DB_PATH, *, redis_url: str | None = None, admin_key: str | None = None,
-                 cache_ttl_s: float = 1.0, create_default: bool = True, redis_prefix: str = "gw:rl:",
-                 announce=None) -> None:
+    def __init__(
+        self,
+        db_path: str = DEFAULT_DB_PATH,
+        *,
+        redis_url: str | None = None,
+        admin_key: str | None = None,
+        cache_ttl_s: float = 1.0,
+        create_default: bool = True,
+        redis_prefix: str = "gw:rl:",
+        announce=None,
+    ) -> None:
         self.db_path = db_path
         self.redis_url = redis_url
         self._admin_digest = hash_key(admin_key) if admin_key else None
@@ -362,7 +417,9 @@ class Tenancy:
             t = await self.store.call(Store.create_tenant, "default")
             key, rec = await self.store.call(Store.create_key, t.id, name="default")
             self.default_key = key
-            self._announce(f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now")
+            self._announce(
+                f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now"
+            )
         if self.redis_url:
             await self.limiter.client.execute("PING")
         await nursery.start(self.ledger.run)
@@ -417,44 +474,66 @@ class Tenancy:
         """
         scope = _scope_of(request)
         state = scope.get("state")
-        if isinstance(state, dict) and isinstance(state.get("principal"), Principal) and state.get("_tenancy") is self:
+        if (
+            isinstance(state, dict)
+            and isinstance(state.get("principal"), Principal)
+            and state.get("_tenancy") is self
+        ):
             return state["principal"]  # TenancyMiddleware already authenticated this very request
         if query_has_key(scope):
-            raise AuthenticationError("API keys are not accepted in the query string; use the Authorization: "
-                                      "Bearer header.", headers={"www-authenticate": "Bearer"})
+            raise AuthenticationError(
+                "API keys are not accepted in the query string; use the Authorization: Bearer header.",
+                headers={"www-authenticate": "Bearer"},
+            )
         token = bearer_token(request)
         if not token:
             raise AuthenticationError(
                 "You didn't provide an API key. You need to provide your API key in an Authorization header "
-                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).", code=None,
-                headers={"www-authenticate": "Bearer"})
+                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+                code=None,
+                headers={"www-authenticate": "Bearer"},
+            )
         found = await self._lookup(token)
         if found is None:
             raise AuthenticationError("Incorrect API key provided.", headers={"www-authenticate": "Bearer"})
         key, tenant = found
         now = time.time()
         if key.revoked_at is not None:
-            raise AuthenticationError("This API key has been revoked.", headers={"www-authenticate": "Bearer"})
+            raise AuthenticationError(
+                "This API key has been revoked.", headers={"www-authenticate": "Bearer"}
+            )
         if key.expires_at is not None and key.expires_at <= now:
             raise AuthenticationError("This API key has expired.", headers={"www-authenticate": "Bearer"})
         if tenant.disabled or tenant.deleted_at is not None:
-            raise AuthenticationError("This API key's tenant is disabled.", code="tenant_disabled",
-                                      headers={"www-authenticate": "Bearer"})
-        return Principal(tenant.id, tenant.name, key.id, key.prefix, tenant.limits, key.limits, tenant.filters)
+            raise AuthenticationError(
+                "This API key's tenant is disabled.",
+                code="tenant_disabled",
+                headers={"www-authenticate": "Bearer"},
+            )
+        return Principal(
+            tenant.id, tenant.name, key.id, key.prefix, tenant.limits, key.limits, tenant.filters
+        )
 
     def is_admin_token(self, token: str | None) -> bool:
-        return bool(token) and self._admin_digest is not None and digest_equal(hash_key(token), self._admin_digest)
+        return (
+            bool(token)
+            and self._admin_digest is not None
+            and digest_equal(hash_key(token), self._admin_digest)
+        )
 
     async def require_admin(self, request: Any) -> None:
         """Allow only the admin key (``await`` it!). Raises AuthenticationError (401) for no/wrong key or when
         no admin key is configured, PermissionDenied (403) for a valid tenant key."""
         scope = _scope_of(request)
         if query_has_key(scope):
-            raise AuthenticationError("API keys are not accepted in the query string; use the Authorization: "
-                                      "Bearer header.")
+            raise AuthenticationError(
+                "API keys are not accepted in the query string; use the Authorization: Bearer header."
+            )
         token = bearer_token(request)
         if not token:
-            raise AuthenticationError("This route requires the admin API key (Authorization: Bearer).", code=None)
+            raise AuthenticationError(
+                "This route requires the admin API key (Authorization: Bearer).", code=None
+            )
         if self.is_admin_token(token):
             return
         found = await self._lookup(token)
@@ -464,11 +543,23 @@ class Tenancy:
 
     # -- admission ----------------------------------------------------------------------------------------
     def _dims(self, principal: Principal, tokens: int, day: str, ttl: float) -> list[Dim]:
-        dims = build_dims(principal.limits, f"t:{principal.tenant_id}", f"tenant {principal.tenant_name}",
-                          tokens=tokens, day=day, day_ttl_s=ttl)
+        dims = build_dims(
+            principal.limits,
+            f"t:{principal.tenant_id}",
+            f"tenant {principal.tenant_name}",
+            tokens=tokens,
+            day=day,
+            day_ttl_s=ttl,
+        )
         if principal.key_limits is not None:
-            dims += build_dims(principal.key_limits, f"k:{principal.key_id}", f"key {principal.key_prefix}...",
-                               tokens=tokens, day=day, day_ttl_s=ttl)
+            dims += build_dims(
+                principal.key_limits,
+                f"k:{principal.key_id}",
+                f"key {principal.key_prefix}...",
+                tokens=tokens,
+                day=day,
+                day_ttl_s=ttl,
+            )
         return dims
 
     async def _seed_daily(self, dims: list[Dim], day: str) -> None:
@@ -496,8 +587,15 @@ class Tenancy:
     def reserve_sync_possible(self) -> bool:
         return not self.limiter.shared
 
-    async def reserve(self, principal: Principal, *, prompt_tokens: int, max_tokens: int, model: str | None = None,
-                      request_id: str | None = None) -> Reservation:
+    async def reserve(
+        self,
+        principal: Principal,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str | None = None,
+        request_id: str | None = None,
+    ) -> Reservation:
         """Check and reserve all limits at once (1 request, ``prompt_tokens + max_tokens`` tokens, 1 slot).
         Prefer :meth:`admit`; a reservation from here must be closed with ``await res.aclose(exc)``.
         Raises RateLimited (429)."""
@@ -522,14 +620,19 @@ class Tenancy:
                 except (OSError, RedisError, trio.TooSlowError) as e:
                     log.error("tenancy: rate-limit store unavailable: %s", type(e).__name__)
                     await self._undo_acquire(dims, member)
-                    raise ServiceUnavailable("The rate limiter is unavailable; try again shortly.",
-                                             code="rate_limiter_unavailable", headers={"retry-after": "1"}) from None
+                    raise ServiceUnavailable(
+                        "The rate limiter is unavailable; try again shortly.",
+                        code="rate_limiter_unavailable",
+                        headers={"retry-after": "1"},
+                    ) from None
             else:
                 outcome = self.limiter.acquire_now(dims, member)
             if not outcome.ok:
                 raise self._rate_limited(principal, outcome.results, tokens)
             results = outcome.results
-        return Reservation(self, principal, dims, member, prompt_tokens, max_tokens, model, request_id, results)
+        return Reservation(
+            self, principal, dims, member, prompt_tokens, max_tokens, model, request_id, results
+        )
 
     async def _undo_acquire(self, dims, member: str) -> None:
         """The shared store's reply to an acquire never came (timeout, dropped connection), so the script may
@@ -543,15 +646,28 @@ class Tenancy:
                 if await undo(dims, member):
                     log.warning("tenancy: took back a reservation whose reply was lost")
             except (OSError, RedisError) as e:
-                log.error("tenancy: could not take back a possibly-made reservation: %s (it expires with "
-                          "its window / lease)", type(e).__name__)
+                log.error(
+                    "tenancy: could not take back a possibly-made reservation: %s (it expires with "
+                    "its window / lease)",
+                    type(e).__name__,
+                )
 
-    def admit(self, principal: Principal, *, prompt_tokens: int, max_tokens: int, model: str | None = None,
-              request_id: str | None = None) -> _Admit:
+    def admit(
+        self,
+        principal: Principal,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str | None = None,
+        request_id: str | None = None,
+    ) -> _Admit:
         """``async with tenancy.admit(p, prompt_tokens=.., max_tokens=..) as res:`` -- see module doc.
         Raises RateLimited (429) on entry; on exit (any way) trues up and bills the ledger."""
-        return _Admit(self, principal, dict(prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model,
-                                            request_id=request_id))
+        return _Admit(
+            self,
+            principal,
+            dict(prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=request_id),
+        )
 
     async def peek_headers(self, principal: Principal) -> dict[str, str]:
         """Current ``x-ratelimit-*`` headers of a principal without reserving anything."""
@@ -585,13 +701,24 @@ class Tenancy:
 
     def _record(self, res: Reservation) -> None:
         p = res.principal
-        self.ledger.record({
-            "ts": (now := time.time()), "day": self._day(now)[0], "tenant_id": p.tenant_id, "key_id": p.key_id,
-            "key_prefix": p.key_prefix, "request_id": res.request_id, "model": res.model,
-            "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
-            "completion_tokens": res.completion_tokens, "total_tokens": res.used_tokens,
-            "status": res.status, "finish_reason": res.finish_reason, "timings": res.timings,
-        })
+        self.ledger.record(
+            {
+                "ts": (now := time.time()),
+                "day": self._day(now)[0],
+                "tenant_id": p.tenant_id,
+                "key_id": p.key_id,
+                "key_prefix": p.key_prefix,
+                "request_id": res.request_id,
+                "model": res.model,
+                "prompt_tokens": res.prompt_tokens,
+                "cached_tokens": res.cached_tokens,
+                "completion_tokens": res.completion_tokens,
+                "total_tokens": res.used_tokens,
+                "status": res.status,
+                "finish_reason": res.finish_reason,
+                "timings": res.timings,
+            }
+        )
 
     @staticmethod
     def _window_label(d: Dim) -> str:
@@ -609,30 +736,49 @@ class Tenancy:
         if daily:
             r = daily[0]
             retry = r.dim.ttl_s
-            headers.update({"retry-after": str(max(1, math.ceil(retry))), "retry-after-ms": str(math.ceil(retry * 1000)),
-                            "x-should-retry": "false"})
+            headers.update(
+                {
+                    "retry-after": str(max(1, math.ceil(retry))),
+                    "retry-after-ms": str(math.ceil(retry * 1000)),
+                    "x-should-retry": "false",
+                }
+            )
             return RateLimited(
                 f"You exceeded your current quota of {r.dim.limit} tokens per day for {r.dim.scope}: used "
                 f"{r.dim.limit - int(r.remaining)}, requested {r.dim.cost}. The quota resets at 00:00 UTC.",
-                type="insufficient_quota", code="insufficient_quota", headers=headers)
+                type="insufficient_quota",
+                code="insufficient_quota",
+                headers=headers,
+            )
         if too_large:
             r = too_large[0]
             headers["x-should-retry"] = "false"
             return RateLimited(
                 f"Request too large for {r.dim.scope} on {self._window_label(r.dim) if r.dim.kind == 'bucket' else 'concurrent requests'}: "
                 f"Limit {r.dim.limit}, Requested {r.dim.cost}. The input or output tokens must be reduced in order "
-                f"to run successfully.", type="tokens" if r.dim.name == "tokens" else "requests",
-                param="max_tokens" if r.dim.name == "tokens" else None, code="rate_limit_exceeded", headers=headers)
+                f"to run successfully.",
+                type="tokens" if r.dim.name == "tokens" else "requests",
+                param="max_tokens" if r.dim.name == "tokens" else None,
+                code="rate_limit_exceeded",
+                headers=headers,
+            )
         retry = max(r.retry_s for r in failed)
-        headers.update({"retry-after": str(max(1, math.ceil(retry))), "retry-after-ms": str(max(1, math.ceil(retry * 1000)))})
+        headers.update(
+            {
+                "retry-after": str(max(1, math.ceil(retry))),
+                "retry-after-ms": str(max(1, math.ceil(retry * 1000))),
+            }
+        )
         r = max(failed, key=lambda r: r.retry_s)
         if r.dim.kind == "conc":
             msg = f"Too many concurrent requests for {r.dim.scope}: Limit {r.dim.limit}. Please try again later."
             typ = "requests"
         else:
             used = r.dim.limit - int(math.floor(r.remaining + 1e-9))
-            msg = (f"Rate limit reached for {r.dim.scope} on {self._window_label(r.dim)}: Limit {r.dim.limit}, "
-                   f"Used {used}, Requested {r.dim.cost}. Please try again in {retry:.3g}s.")
+            msg = (
+                f"Rate limit reached for {r.dim.scope} on {self._window_label(r.dim)}: Limit {r.dim.limit}, "
+                f"Used {used}, Requested {r.dim.cost}. Please try again in {retry:.3g}s."
+            )
             typ = r.dim.name
         return RateLimited(msg, type=typ, code="rate_limit_exceeded", headers=headers)
 
@@ -671,8 +817,15 @@ class TenancyMiddleware:
     (:meth:`Tenancy.peek_headers`), so e.g. ``/v1/models`` and 4xx answers carry them too.
     """
 
-    def __init__(self, app, tenancy: Tenancy, *, public_paths: frozenset[str] | set[str] = PUBLIC_PATHS,
-                 public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES, rate_limit_headers: bool = True) -> None:
+    def __init__(
+        self,
+        app,
+        tenancy: Tenancy,
+        *,
+        public_paths: frozenset[str] | set[str] = PUBLIC_PATHS,
+        public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES,
+        rate_limit_headers: bool = True,
+    ) -> None:
         self.app = app
         self.rate_limit_headers = rate_limit_headers
         self.tenancy = tenancy
@@ -689,8 +842,12 @@ class TenancyMiddleware:
                 redact_query(scope)
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            kind = classify_path(scope.get("path", "/"), "GET", public_paths=self.public_paths,
-                                 public_prefixes=self.public_prefixes)
+            kind = classify_path(
+                scope.get("path", "/"),
+                "GET",
+                public_paths=self.public_paths,
+                public_prefixes=self.public_prefixes,
+            )
             try:
                 if kind == "admin":
                     await self.tenancy.require_admin(scope)
@@ -706,12 +863,17 @@ class TenancyMiddleware:
         query_key = query_has_key(scope)
         if query_key:
             redact_query(scope)
-        kind = classify_path(scope.get("path", "/"), scope.get("method", "GET"), public_paths=self.public_paths,
-                             public_prefixes=self.public_prefixes)
+        kind = classify_path(
+            scope.get("path", "/"),
+            scope.get("method", "GET"),
+            public_paths=self.public_paths,
+            public_prefixes=self.public_prefixes,
+        )
         try:
             if query_key:  # on any path: a credential in a URL ends up in logs, histories, referers
-                raise AuthenticationError("API keys are not accepted in the query string; use the Authorization: "
-                                          "Bearer header.")
+                raise AuthenticationError(
+                    "API keys are not accepted in the query string; use the Authorization: Bearer header."
+                )
             if kind == "admin":
                 await self.tenancy.require_admin(scope)
                 scope.setdefault("state", {})["admin"] = True
@@ -737,8 +899,13 @@ class TenancyMiddleware:
                     except Exception:  # noqa: BLE001 - headers are best effort
                         extra = {}
                     if extra:
-                        message = {**message, "headers": [*(message.get("headers") or []),
-                                                          *((k.encode(), v.encode()) for k, v in extra.items())]}
+                        message = {
+                            **message,
+                            "headers": [
+                                *(message.get("headers") or []),
+                                *((k.encode(), v.encode()) for k, v in extra.items()),
+                            ],
+                        }
             await send(message)
 
         await self.app(scope, receive, send_with_headers)

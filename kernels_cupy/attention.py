@@ -44,8 +44,9 @@ MIN_PARTITION = 64
 SMEM_DEFAULT_LIMIT = 48 * 1024
 
 
-def choose_partition_size(num_kv_heads: int, num_seqs: int, max_seq_len: int, block_size: int,
-                          num_sms: int = 132) -> int:
+def choose_partition_size(
+    num_kv_heads: int, num_seqs: int, max_seq_len: int, block_size: int, num_sms: int = 132
+) -> int:
     """Tokens per decode partition (a multiple of ``block_size``).
 
     512 (vLLM v2's size) unless the grid ``num_kv_heads * num_seqs * num_partitions`` would hold fewer
@@ -67,7 +68,9 @@ def default_tuning(gqa: int) -> dict[str, int]:
     return {} if gqa <= 4 else {"k_unroll": 2, "v_unroll": 4}
 
 
-def decode_smem_bytes(partition_size: int, gqa: int, head_dim: int, block_size: int, decode_warps: int = 4) -> int:
+def decode_smem_bytes(
+    partition_size: int, gqa: int, head_dim: int, block_size: int, decode_warps: int = 4
+) -> int:
     """Dynamic shared memory of ``paged_decode`` (bytes): logits, cross-warp partial sums, block-table slice."""
     return 4 * (partition_size * gqa + decode_warps * gqa * head_dim) + 4 * (partition_size // block_size + 1)
 
@@ -174,9 +177,13 @@ class CupyAttention:
         if s is None:
             import warnings
 
-            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream (Stream.from_external); still works
+            with (
+                warnings.catch_warnings()
+            ):  # CuPy 14 deprecates ExternalStream (Stream.from_external); still works
                 warnings.simplefilter("ignore", DeprecationWarning)
-                s = cupy.cuda.ExternalStream(ptr, device.index if device.index is not None else torch.cuda.current_device())
+                s = cupy.cuda.ExternalStream(
+                    ptr, device.index if device.index is not None else torch.cuda.current_device()
+                )
             self._streams[ptr] = s
         return s
 
@@ -238,8 +245,9 @@ class CupyAttention:
             raise ValueError("KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
 
     # ------------------------------------------------------------------ interface
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta
+    ) -> None:
         """Store ``key, value [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping [T] int64`` (< 0 skipped).
 
         Cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype as key/value.
@@ -258,13 +266,29 @@ class CupyAttention:
         with self._launch_ctx(dev):
             mv = self._meta_views(meta, dev)
             self._fn(cfg, "write_kv")(
-                (T,), (WRITE_KV_THREADS,),
-                (self._arg(key), np.int64(key.stride(0)), self._arg(value), np.int64(value.stride(0)),
-                 self._cached(k_cache), self._cached(v_cache), mv["slot_mapping"], np.int32(Hkv)),
+                (T,),
+                (WRITE_KV_THREADS,),
+                (
+                    self._arg(key),
+                    np.int64(key.stride(0)),
+                    self._arg(value),
+                    np.int64(value.stride(0)),
+                    self._cached(k_cache),
+                    self._cached(v_cache),
+                    mv["slot_mapping"],
+                    np.int32(Hkv),
+                ),
             )
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Causal paged attention for a mixed batch (decodes first, then prefill chunks).
 
         Args:
@@ -322,22 +346,79 @@ class CupyAttention:
             if dec is None:
                 dec = mv[key] = self._decode_setup(cfg, nd, H, D, Hkv, bs, meta, dev)
             fn, ps, parts, smem, tmp_c, ml_c, es_c = dec
-            plans.append((fn, (Hkv, nd, parts), (32 * cfg.decode_warps,),
-                          (o_c, np.int64(out.stride(0)), tmp_c, ml_c, es_c, q_c, np.int64(query.stride(0)),
-                           kc, vc, mv["block_tables"], np.int32(mv["bt_stride"]), mv["seq_lens"],
-                           np.int32(Hkv), np.float32(scale), np.int32(ps)), smem))
+            plans.append(
+                (
+                    fn,
+                    (Hkv, nd, parts),
+                    (32 * cfg.decode_warps,),
+                    (
+                        o_c,
+                        np.int64(out.stride(0)),
+                        tmp_c,
+                        ml_c,
+                        es_c,
+                        q_c,
+                        np.int64(query.stride(0)),
+                        kc,
+                        vc,
+                        mv["block_tables"],
+                        np.int32(mv["bt_stride"]),
+                        mv["seq_lens"],
+                        np.int32(Hkv),
+                        np.float32(scale),
+                        np.int32(ps),
+                    ),
+                    smem,
+                )
+            )
             if parts > 1:
-                plans.append((self._fn(cfg, "paged_decode_reduce"), (H, nd), (128,),
-                              (o_c, np.int64(out.stride(0)), tmp_c, ml_c, es_c, mv["seq_lens"],
-                               np.int32(parts), np.int32(ps)), 4 * parts))
+                plans.append(
+                    (
+                        self._fn(cfg, "paged_decode_reduce"),
+                        (H, nd),
+                        (128,),
+                        (
+                            o_c,
+                            np.int64(out.stride(0)),
+                            tmp_c,
+                            ml_c,
+                            es_c,
+                            mv["seq_lens"],
+                            np.int32(parts),
+                            np.int32(ps),
+                        ),
+                        4 * parts,
+                    )
+                )
         if mv["num_tiles"]:
-            plans.append((self._fn(cfg, "paged_prefill"), (mv["num_tiles"], Hkv), (PREFILL_THREADS,),
-                          (o_c, np.int64(out.stride(0)), q_c, np.int64(query.stride(0)), kc, vc,
-                           mv["block_tables"], np.int32(mv["bt_stride"]), mv["seq_lens"], mv["query_start_loc"],
-                           mv["tiles"], np.int32(Hkv), np.float32(scale)), 0))
+            plans.append(
+                (
+                    self._fn(cfg, "paged_prefill"),
+                    (mv["num_tiles"], Hkv),
+                    (PREFILL_THREADS,),
+                    (
+                        o_c,
+                        np.int64(out.stride(0)),
+                        q_c,
+                        np.int64(query.stride(0)),
+                        kc,
+                        vc,
+                        mv["block_tables"],
+                        np.int32(mv["bt_stride"]),
+                        mv["seq_lens"],
+                        mv["query_start_loc"],
+                        mv["tiles"],
+                        np.int32(Hkv),
+                        np.float32(scale),
+                    ),
+                    0,
+                )
+            )
         return plans
 
-    def _decode_setup(self, cfg: KernelConfig, nd: int, H: int, D: int, Hkv: int, bs: int, meta, dev) -> tuple:
+    def _decode_setup(
+        self, cfg: KernelConfig, nd: int, H: int, D: int, Hkv: int, bs: int, meta, dev
+    ) -> tuple:
         """``(kernel, partition_size, num_parts, shared_mem, tmp_out, max_logits, exp_sums)`` for a step.
 
         Scratch (fp32, one allocation): ``tmp_out [nd, H, parts, D]``, ``max_logits/exp_sums [nd, H, parts]``;

@@ -53,7 +53,9 @@ def usable_compiler() -> str | None:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "probe.cpp"
         src.write_text(_PROBE)
-        r = subprocess.run([cxx, "-std=c++20", "-pthread", str(src), "-o", str(Path(d) / "probe")], capture_output=True)
+        r = subprocess.run(
+            [cxx, "-std=c++20", "-pthread", str(src), "-o", str(Path(d) / "probe")], capture_output=True
+        )
         return cxx if r.returncode == 0 else None
 
 
@@ -72,8 +74,20 @@ def build(cfg: KernelConfig) -> ctypes.CDLL:
     lib = out_dir / f"emu_{h.hexdigest()[:16]}.so"
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", *cfg.defines(), "-include",
-               str(SOURCE_DIR / "cuda_emu.h"), str(SOURCE_DIR / "emu_launch.cpp"), "-o", str(tmp)]
+        cmd = [
+            cxx,
+            "-std=c++20",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            *cfg.defines(),
+            "-include",
+            str(SOURCE_DIR / "cuda_emu.h"),
+            str(SOURCE_DIR / "emu_launch.cpp"),
+            "-o",
+            str(tmp),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{r.stderr[-4000:]}")
@@ -104,8 +118,14 @@ class _EmuKernel:
                 conv.append(ctypes.c_float(float(a)))
             else:
                 raise TypeError(f"{self.name}: unsupported argument {type(a)}")
-        self.fn(ctypes.c_uint(g[0]), ctypes.c_uint(g[1]), ctypes.c_uint(g[2]), ctypes.c_uint(block[0]),
-                ctypes.c_longlong(shared_mem), *conv)
+        self.fn(
+            ctypes.c_uint(g[0]),
+            ctypes.c_uint(g[1]),
+            ctypes.c_uint(g[2]),
+            ctypes.c_uint(block[0]),
+            ctypes.c_longlong(shared_mem),
+            *conv,
+        )
 
 
 class EmuAttention(CupyAttention):

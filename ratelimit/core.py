@@ -70,8 +70,13 @@ class Limits:
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rpm": self.rpm, "tpm": self.tpm, "max_concurrent": self.max_concurrent,
-                "daily_tokens": self.daily_tokens, "window_s": self.window_s}
+        return {
+            "rpm": self.rpm,
+            "tpm": self.tpm,
+            "max_concurrent": self.max_concurrent,
+            "daily_tokens": self.daily_tokens,
+            "window_s": self.window_s,
+        }
 
     @property
     def unlimited(self) -> bool:
@@ -115,19 +120,45 @@ class Outcome:
         return [r for r in self.results if not r.ok]
 
 
-def build_dims(limits: Limits, scope_key: str, scope_label: str, *, tokens: int, day: str, day_ttl_s: float,
-               daily_seed: int = 0, concurrent: bool = True) -> list[Dim]:
+def build_dims(
+    limits: Limits,
+    scope_key: str,
+    scope_label: str,
+    *,
+    tokens: int,
+    day: str,
+    day_ttl_s: float,
+    daily_seed: int = 0,
+    concurrent: bool = True,
+) -> list[Dim]:
     """The dimensions of ``limits`` for a request of ``tokens`` reserved tokens."""
     dims: list[Dim] = []
     if limits.rpm is not None:
-        dims.append(Dim(f"{scope_key}:rpm", "bucket", "requests", limits.rpm, 1, limits.window_s, scope_label))
+        dims.append(
+            Dim(f"{scope_key}:rpm", "bucket", "requests", limits.rpm, 1, limits.window_s, scope_label)
+        )
     if limits.tpm is not None:
-        dims.append(Dim(f"{scope_key}:tpm", "bucket", "tokens", limits.tpm, tokens, limits.window_s, scope_label))
+        dims.append(
+            Dim(f"{scope_key}:tpm", "bucket", "tokens", limits.tpm, tokens, limits.window_s, scope_label)
+        )
     if limits.max_concurrent is not None and concurrent:
-        dims.append(Dim(f"{scope_key}:conc", "conc", "concurrent", limits.max_concurrent, 1, 0.0, scope_label))
+        dims.append(
+            Dim(f"{scope_key}:conc", "conc", "concurrent", limits.max_concurrent, 1, 0.0, scope_label)
+        )
     if limits.daily_tokens is not None:
-        dims.append(Dim(f"{scope_key}:day:{day}", "daily", "daily_tokens", limits.daily_tokens, tokens, 0.0,
-                        scope_label, seed=daily_seed, ttl_s=day_ttl_s))
+        dims.append(
+            Dim(
+                f"{scope_key}:day:{day}",
+                "daily",
+                "daily_tokens",
+                limits.daily_tokens,
+                tokens,
+                0.0,
+                scope_label,
+                seed=daily_seed,
+                ttl_s=day_ttl_s,
+            )
+        )
     return dims
 
 

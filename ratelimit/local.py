@@ -87,8 +87,9 @@ class LocalLimiter:
                 self._daily[d.key] = self._daily.get(d.key, d.seed) + d.cost
         return Outcome(True, results)
 
-    def release_now(self, dims: list[Dim], member: str, refunds: dict[str, int], *,
-                    report: bool = True) -> list[DimResult]:
+    def release_now(
+        self, dims: list[Dim], member: str, refunds: dict[str, int], *, report: bool = True
+    ) -> list[DimResult]:
         """Give back ``refunds[key]`` units per dimension (negative = charge more) and free concurrency;
         returns the state after (``[]`` with ``report=False``)."""
         now = self._clock()

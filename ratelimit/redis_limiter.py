@@ -141,7 +141,9 @@ class RedisLimiter:
         self.prefix = prefix
         self.lease_s = lease_s
 
-    async def _run(self, mode: str, dims: list[Dim], member: str, costs: list[float]) -> tuple[bool, list[DimResult]]:
+    async def _run(
+        self, mode: str, dims: list[Dim], member: str, costs: list[float]
+    ) -> tuple[bool, list[DimResult]]:
         keys = [self.prefix + d.key for d in dims]
         argv: list = [mode, member, repr(float(self.lease_s))]
         for d, c in zip(dims, costs):
@@ -158,11 +160,18 @@ class RedisLimiter:
         ok = bool(int(reply[0]))
         results = []
         for i, d in enumerate(dims):
-            rok, rem, reset, retry = reply[1 + 4 * i: 5 + 4 * i]
+            rok, rem, reset, retry = reply[1 + 4 * i : 5 + 4 * i]
             retry_f = float(retry)
             reset_f = float(reset)
-            results.append(DimResult(d, bool(int(rok)), max(0.0, float(rem)), math.inf if reset_f < 0 else reset_f,
-                                     math.inf if retry_f < 0 else retry_f))
+            results.append(
+                DimResult(
+                    d,
+                    bool(int(rok)),
+                    max(0.0, float(rem)),
+                    math.inf if reset_f < 0 else reset_f,
+                    math.inf if retry_f < 0 else retry_f,
+                )
+            )
         return ok, results
 
     async def acquire(self, dims: list[Dim], member: str) -> Outcome:

@@ -156,19 +156,30 @@ def check_kernels(quick: bool) -> None:
         dec = [1, 2, bs - 1, bs, bs + 1, 63, 64, 65, 511, 512, 513, X - 1, X]
         dec = [d for d in dec if d <= X] + [rng.randint(1, X) for _ in range(3 if quick else 11)]
         rng.shuffle(dec)
-        pre = [(0, 1 + rng.randint(1, 40)), (0, 300), (rng.randint(1, 3000), rng.randint(2, 200)),
-               (rng.randint(4000, 7800), rng.randint(2, 390)), (5, 2), (0, 2), (rng.randint(1, 100), 97)]
+        pre = [
+            (0, 1 + rng.randint(1, 40)),
+            (0, 300),
+            (rng.randint(1, 3000), rng.randint(2, 200)),
+            (rng.randint(4000, 7800), rng.randint(2, 390)),
+            (5, 2),
+            (0, 2),
+            (rng.randint(1, 100), 97),
+        ]
         if X < 8192:  # dry run: shrink the prefill chunks too
             pre = [(min(c, X // 2), min(n, X // 2)) for c, n in pre]
         cases = {
             "mixed": [(L - 1, 1) for L in dec] + pre,
             "decode": [(L - 1, 1) for L in dec],
             "decode-short": [(rng.randint(0, 63), 1) for _ in range(5)],  # one partition: direct write (v1)
-            "decode-one-long": [(rng.randint(X // 2, X - 1), 1)],  # small partitions, many of them (v2 reduce)
+            "decode-one-long": [
+                (rng.randint(X // 2, X - 1), 1)
+            ],  # small partitions, many of them (v2 reduce)
             "prefill": pre[:4],
         }
         if ci % 4 == 0:
-            cases["decode-bigbatch"] = [(rng.randint(0, X - 1), 1) for _ in range(RUN["big_batch"])]  # partition 512 (v2)
+            cases["decode-bigbatch"] = [
+                (rng.randint(0, X - 1), 1) for _ in range(RUN["big_batch"])
+            ]  # partition 512 (v2)
         for cname, seqs in cases.items():
             name = f"{dn} D={D} G={G} Hkv={Hkv} bs={bs} {cname}"
             try:
@@ -176,7 +187,9 @@ def check_kernels(quick: bool) -> None:
                 # write_kv against index_copy on clones (bit-exact), with some rows skipped (slot -1)
                 kc2, vc2 = kc.clone(), vc.clone()
                 skip = torch.rand(q.shape[0], generator=gen) < 0.1
-                meta_skip = dataclasses.replace(meta, slot_mapping=torch.where(skip.to(dev), -1, meta.slot_mapping))
+                meta_skip = dataclasses.replace(
+                    meta, slot_mapping=torch.where(skip.to(dev), -1, meta.slot_mapping)
+                )
                 attn.write_kv(k, v, kc2, vc2, meta_skip)
                 ek, ev = kc.clone(), vc.clone()
                 keep = ~skip.to(dev)
@@ -184,12 +197,17 @@ def check_kernels(quick: bool) -> None:
                 ev.view(-1, Hkv, D)[meta.slot_mapping[keep]] = v[keep]
                 ok_w = bool(torch.equal(ek, kc2) and torch.equal(ev, vc2))
                 if not ok_w or cname == "mixed":
-                    row("kernels", f"write_kv {name} ({int(skip.sum())} skipped)", "bit-exact" if ok_w else "MISMATCH",
-                        "exact", "PASS" if ok_w else "FAIL")
+                    row(
+                        "kernels",
+                        f"write_kv {name} ({int(skip.sum())} skipped)",
+                        "bit-exact" if ok_w else "MISMATCH",
+                        "exact",
+                        "PASS" if ok_w else "FAIL",
+                    )
                 attn.clear_cache()
                 attn.write_kv(k, v, kc, vc, meta)
                 out = torch.full_like(q, float("nan"))
-                scale = D ** -0.5
+                scale = D**-0.5
                 attn.forward(q, kc, vc, meta, scale, out=out)
                 _sync()
                 ref = ref_attention(q, kc, vc, meta, scale)
@@ -201,8 +219,13 @@ def check_kernels(quick: bool) -> None:
                     extra = f", torch_ref vs f64 {rel_err(to, ref):.2e}, cupy vs torch_ref {rel_err(out, to.double()):.2e}"
                 ok = err < tol and nan_rows == 0
                 worst[dn] = max(worst.get(dn, 0.0), err if err == err else float("inf"))
-                row("kernels", f"attention {name} (T={q.shape[0]}, nd={meta.num_decodes}, maxlen={meta.max_seq_len})",
-                    f"rel err {err:.2e}, unwritten/NaN rows {nan_rows}{extra}", f"< {tol:g}", "PASS" if ok else "FAIL")
+                row(
+                    "kernels",
+                    f"attention {name} (T={q.shape[0]}, nd={meta.num_decodes}, maxlen={meta.max_seq_len})",
+                    f"rel err {err:.2e}, unwritten/NaN rows {nan_rows}{extra}",
+                    f"< {tol:g}",
+                    "PASS" if ok else "FAIL",
+                )
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row("kernels", f"attention {name}", f"ERROR {type(e).__name__}: {e}", "", "FAIL")
@@ -263,12 +286,19 @@ def check_bandwidth(quick: bool) -> None:
     shapes = [(B, L, 4) for B in (1, 64, 256) for L in (512, 2048, 8192)]
     shapes += [(256, 2048, 1), (256, 2048, 8)]
     # tuning variants at the acceptance point: (partition size, KernelConfig tuning); first = default
-    tune = [(None, {}), (256, {}), (1024, {}), (None, {"decode_warps": 8}), (None, {"decode_warps": 2}),
-            (None, {"k_unroll": 2, "v_unroll": 4}), (None, {"k_unroll": 1, "v_unroll": 2}),
-            (None, {"decode_warps": 8, "k_unroll": 4, "v_unroll": 8})]
+    tune = [
+        (None, {}),
+        (256, {}),
+        (1024, {}),
+        (None, {"decode_warps": 8}),
+        (None, {"decode_warps": 2}),
+        (None, {"k_unroll": 2, "v_unroll": 4}),
+        (None, {"k_unroll": 1, "v_unroll": 2}),
+        (None, {"decode_warps": 8, "k_unroll": 4, "v_unroll": 8}),
+    ]
     results = []
     for B, L, G in shapes:
-        for ps, tuning in (tune if (B, L, G) == (256, 2048, 4) and not quick else tune[:1]):
+        for ps, tuning in tune if (B, L, G) == (256, 2048, 4) and not quick else tune[:1]:
             H = Hkv * G
             perm = torch.randperm(nblocks, device=dev, generator=gen)[: B * L // bs].to(torch.int32)
             meta = AttentionMetadata(
@@ -276,8 +306,12 @@ def check_bandwidth(quick: bool) -> None:
                 query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev),
                 seq_lens=torch.full((B,), L, dtype=torch.int32, device=dev),
                 block_tables=perm.view(B, L // bs),
-                num_decodes=B, max_query_len=1, max_seq_len=L, block_size=bs,
-                seq_lens_cpu=[L] * B, query_lens_cpu=[1] * B,
+                num_decodes=B,
+                max_query_len=1,
+                max_seq_len=L,
+                block_size=bs,
+                seq_lens_cpu=[L] * B,
+                query_lens_cpu=[1] * B,
             )
             q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=gen)
             out = torch.full_like(q, float("nan"))  # poisoned: an unwritten row fails the check below
@@ -287,9 +321,11 @@ def check_bandwidth(quick: bool) -> None:
             from kernels_cupy.compile import KernelConfig
 
             cfg = KernelConfig("bfloat16", D, bs, G, **(tuning or default_tuning(G)))
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+            stream = cupy.cuda.ExternalStream(
+                torch.cuda.current_stream().cuda_stream, torch.cuda.current_device()
+            )
             with cupy.cuda.Device(torch.cuda.current_device()), stream:
-                plans = attn._plan(cfg, q, kc, vc, meta, D ** -0.5, out)
+                plans = attn._plan(cfg, q, kc, vc, meta, D**-0.5, out)
 
                 def launch():
                     for fn, grid, block, args, smem in plans:
@@ -299,21 +335,43 @@ def check_bandwidth(quick: bool) -> None:
                 reps = max(5, min(200, int(2e9 / kv_bytes)))
                 ms = _time_ms(launch, reps=reps)
             # correctness of the timed configuration on a few sequences (the kernels ran on this data)
-            ref = ref_attention(q[:2], kc, vc, _sub(meta, 2), D ** -0.5)
+            ref = ref_attention(q[:2], kc, vc, _sub(meta, 2), D**-0.5)
             err = rel_err(out[:2], ref)
             if not bool(out.isfinite().all()):
                 err = float("nan")
             bw = kv_bytes / (ms * 1e-3)
-            used_ps = ps or choose_partition_size(Hkv, B, L, bs, torch.cuda.get_device_properties(0).multi_processor_count)
-            rec = dict(batch=B, context=L, gqa=G, heads=H, kv_heads=Hkv, head_dim=D, partition=used_ps, ms=ms,
-                       kv_GBps=bw / 1e9, frac_of_copy=bw / copy_bw, rel_err=err, tuning=tuning)
+            used_ps = ps or choose_partition_size(
+                Hkv, B, L, bs, torch.cuda.get_device_properties(0).multi_processor_count
+            )
+            rec = dict(
+                batch=B,
+                context=L,
+                gqa=G,
+                heads=H,
+                kv_heads=Hkv,
+                head_dim=D,
+                partition=used_ps,
+                ms=ms,
+                kv_GBps=bw / 1e9,
+                frac_of_copy=bw / copy_bw,
+                rel_err=err,
+                tuning=tuning,
+            )
             results.append(rec)
             accept = (B, L, G) == (256, 2048, 4) and ps is None and not tuning
-            status = ("PASS" if bw >= 0.6 * copy_bw and err < 1e-2 else "FAIL") if accept else ("INFO" if err < 1e-2 else "FAIL")
+            status = (
+                ("PASS" if bw >= 0.6 * copy_bw and err < 1e-2 else "FAIL")
+                if accept
+                else ("INFO" if err < 1e-2 else "FAIL")
+            )
             tn = "".join(f" {k}={v}" for k, v in tuning.items())
-            row("bandwidth", f"decode B={B} ctx={L} H={H}/Hkv={Hkv} D={D} bf16 ps={used_ps}{tn}",
+            row(
+                "bandwidth",
+                f"decode B={B} ctx={L} H={H}/Hkv={Hkv} D={D} bf16 ps={used_ps}{tn}",
                 f"{ms * 1e3:.1f} us, K/V {bw / 1e9:.0f} GB/s = {100 * bw / copy_bw:.0f}% of copy, rel err {err:.1e}",
-                ">= 60% of copy" if accept else "", status)
+                ">= 60% of copy" if accept else "",
+                status,
+            )
             del q, out, perm, meta, plans
             attn.clear_cache()
     attn.partition_size = None
@@ -326,10 +384,17 @@ def _sub(meta, k):
     from backend.attention.base import AttentionMetadata
 
     return AttentionMetadata(
-        slot_mapping=meta.slot_mapping[:k], query_start_loc=meta.query_start_loc[: k + 1], seq_lens=meta.seq_lens[:k],
-        block_tables=meta.block_tables[:k], num_decodes=min(k, meta.num_decodes), max_query_len=1,
-        max_seq_len=max(meta.seq_lens_cpu[:k]), block_size=meta.block_size, seq_lens_cpu=meta.seq_lens_cpu[:k],
-        query_lens_cpu=meta.query_lens_cpu[:k])
+        slot_mapping=meta.slot_mapping[:k],
+        query_start_loc=meta.query_start_loc[: k + 1],
+        seq_lens=meta.seq_lens[:k],
+        block_tables=meta.block_tables[:k],
+        num_decodes=min(k, meta.num_decodes),
+        max_query_len=1,
+        max_seq_len=max(meta.seq_lens_cpu[:k]),
+        block_size=meta.block_size,
+        seq_lens_cpu=meta.seq_lens_cpu[:k],
+        query_lens_cpu=meta.query_lens_cpu[:k],
+    )
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -341,8 +406,16 @@ def _model_path():
 
 _RUNNERS: dict = {}
 # --cpu-dry-run (tests of this script on a machine without a GPU): e2e/engine on CPU, float32, torch only
-RUN = dict(device="cuda", dtype="bfloat16", backends=("torch", "cupy"), batches=(1, 64, 256), cases=None,
-           max_len=8192, kernel_configs=12, big_batch=96)
+RUN = dict(
+    device="cuda",
+    dtype="bfloat16",
+    backends=("torch", "cupy"),
+    batches=(1, 64, 256),
+    cases=None,
+    max_len=8192,
+    kernel_configs=12,
+    big_batch=96,
+)
 
 
 def _runner(backend_name: str):
@@ -351,8 +424,13 @@ def _runner(backend_name: str):
 
     if backend_name not in _RUNNERS:
         t0 = time.perf_counter()
-        _RUNNERS[backend_name] = ModelRunner(_model_path(), device=RUN["device"], dtype=RUN["dtype"],
-                                             attention_backend=backend_name, kv_cache_bytes=2 * 1024**3)
+        _RUNNERS[backend_name] = ModelRunner(
+            _model_path(),
+            device=RUN["device"],
+            dtype=RUN["dtype"],
+            attention_backend=backend_name,
+            kv_cache_bytes=2 * 1024**3,
+        )
         INFO[f"load_seconds_{backend_name}"] = round(time.perf_counter() - t0, 1)
     return _RUNNERS[backend_name]
 
@@ -372,7 +450,10 @@ def check_e2e(quick: bool) -> None:
         row("e2e", "skipped", f"model file not available here ({e})")
         return
     cands = [os.environ.get("GPU_CHECK_FIXTURES", ""), ROOT / "tests" / "fixtures"]
-    fx = next((Path(c) / "smollm2_chats.json" for c in cands if c and (Path(c) / "smollm2_chats.json").exists()), None)
+    fx = next(
+        (Path(c) / "smollm2_chats.json" for c in cands if c and (Path(c) / "smollm2_chats.json").exists()),
+        None,
+    )
     if fx is None:
         row("e2e", "skipped", "fixtures smollm2_chats.json not found (GPU_CHECK_FIXTURES, tests/fixtures)")
         return
@@ -414,14 +495,27 @@ def check_e2e(quick: bool) -> None:
             lim = next((i for i, g in enumerate(gaps) if g < 0.1), len(gi))
             ok_ids += r["ids"][:lim] == gi[:lim]
         ok = worst_logit <= 0.15 and ok_ids == n_cases
-        row("e2e", f"{backend_name} backend vs fixtures ({n_cases} chats, {RUN['dtype']}, {secs:.1f} s)",
+        row(
+            "e2e",
+            f"{backend_name} backend vs fixtures ({n_cases} chats, {RUN['dtype']}, {secs:.1f} s)",
             f"max |logit diff| {worst_logit:.3f}, greedy ids match {ok_ids}/{n_cases}",
-            "<= 0.15; ids equal up to first gap < 0.1", "PASS" if ok else "FAIL")
+            "<= 0.15; ids equal up to first gap < 0.1",
+            "PASS" if ok else "FAIL",
+        )
     if "cupy" not in res or "torch" not in res:
         return
     same = sum(a["ids"] == b["ids"] for a, b in zip(res["torch"][0], res["cupy"][0]))
-    d = max(float((a["first_logits"] - b["first_logits"]).abs().max()) for a, b in zip(res["torch"][0], res["cupy"][0]))
-    row("e2e", "cupy vs torch backend", f"identical greedy ids {same}/{len(chats)}, max |logit diff| {d:.3f}", "", "INFO")
+    d = max(
+        float((a["first_logits"] - b["first_logits"]).abs().max())
+        for a, b in zip(res["torch"][0], res["cupy"][0])
+    )
+    row(
+        "e2e",
+        "cupy vs torch backend",
+        f"identical greedy ids {same}/{len(chats)}, max |logit diff| {d:.3f}",
+        "",
+        "INFO",
+    )
 
 
 def check_engine(quick: bool) -> None:
@@ -444,25 +538,47 @@ def check_engine(quick: bool) -> None:
         runner = _runner(backend_name)
         for B in RUN["batches"]:
             try:
-                eng = Engine(runner, max_num_seqs=B, max_num_batched_tokens=max(B, 2048), enable_prefix_caching=False)
-                subs = [Submit(request_id=f"r{B}-{i}", prompt_ids=[1] + [(17 * i + 31 * j) % 40000 + 100 for j in range(31)],
-                               sampling=SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True))
-                        for i in range(B)]
+                eng = Engine(
+                    runner, max_num_seqs=B, max_num_batched_tokens=max(B, 2048), enable_prefix_caching=False
+                )
+                subs = [
+                    Submit(
+                        request_id=f"r{B}-{i}",
+                        prompt_ids=[1] + [(17 * i + 31 * j) % 40000 + 100 for j in range(31)],
+                        sampling=SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True),
+                    )
+                    for i in range(B)
+                ]
                 eng.generate(subs[: min(B, 2)])  # warm-up (compiles kernels, allocator)
                 _sync()
-                eng = Engine(runner, max_num_seqs=B, max_num_batched_tokens=max(B, 2048), enable_prefix_caching=False)
+                eng = Engine(
+                    runner, max_num_seqs=B, max_num_batched_tokens=max(B, 2048), enable_prefix_caching=False
+                )
                 t0 = time.perf_counter()
                 eng.generate(subs)
                 _sync()
                 dt = time.perf_counter() - t0
                 toks = eng.num_generation_tokens
-                row("engine", f"{backend_name} decode batch {B} (prompt 32, {gen_tokens} new tokens each)",
-                    f"{toks / dt:.0f} tokens/s aggregate ({toks} tokens, {eng.num_steps} steps, {dt:.2f} s)")
-                INFO.setdefault("engine", []).append(dict(backend=backend_name, batch=B, tokens=toks, seconds=dt,
-                                                          tokens_per_s=toks / dt, steps=eng.num_steps))
+                row(
+                    "engine",
+                    f"{backend_name} decode batch {B} (prompt 32, {gen_tokens} new tokens each)",
+                    f"{toks / dt:.0f} tokens/s aggregate ({toks} tokens, {eng.num_steps} steps, {dt:.2f} s)",
+                )
+                INFO.setdefault("engine", []).append(
+                    dict(
+                        backend=backend_name,
+                        batch=B,
+                        tokens=toks,
+                        seconds=dt,
+                        tokens_per_s=toks / dt,
+                        steps=eng.num_steps,
+                    )
+                )
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                row("engine", f"{backend_name} decode batch {B}", f"ERROR {type(e).__name__}: {e}", "", "FAIL")
+                row(
+                    "engine", f"{backend_name} decode batch {B}", f"ERROR {type(e).__name__}: {e}", "", "FAIL"
+                )
 
 
 def _sync() -> None:
@@ -480,7 +596,9 @@ def print_table() -> None:
             print(f"{k}: {INFO[k]}")
     w = [max(len(r[c]) for r in ROWS) if ROWS else 4 for c in ("section", "case", "value", "limit", "status")]
     for r in ROWS:
-        print(f"{r['section']:<{w[0]}} | {r['case']:<{w[1]}} | {r['value']:<{w[2]}} | {r['limit']:<{w[3]}} | {r['status']}")
+        print(
+            f"{r['section']:<{w[0]}} | {r['case']:<{w[1]}} | {r['value']:<{w[2]}} | {r['limit']:<{w[3]}} | {r['status']}"
+        )
     n_fail = sum(r["status"] == "FAIL" for r in ROWS)
     n_pass = sum(r["status"] == "PASS" for r in ROWS)
     print(f"PASS {n_pass}  FAIL {n_fail}")
@@ -494,8 +612,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.cpu_dry_run:  # exercise the e2e/engine code paths on CPU (float32, torch backend)
-        RUN.update(device="cpu", dtype="float32", backends=("torch",), batches=(1, 3), cases=2, max_len=80,
-                   kernel_configs=2, big_batch=4)
+        RUN.update(
+            device="cpu",
+            dtype="float32",
+            backends=("torch",),
+            batches=(1, 3),
+            cases=2,
+            max_len=80,
+            kernel_configs=2,
+            big_batch=4,
+        )
         for p in a.parts.split(","):
             dict(e2e=check_e2e, engine=check_engine, kernels=check_kernels)[p](True)
         print_table()
@@ -506,13 +632,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: torch not importable ({e}); no GPU check possible", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): nothing to check, exiting 2",
-              file=sys.stderr)
+        print(
+            "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): nothing to check, exiting 2",
+            file=sys.stderr,
+        )
         return 2
     try:
         import cupy
     except Exception as e:  # noqa: BLE001
-        print(f"gpu_check: cupy not importable ({type(e).__name__}: {e}): install cupy-cuda13x", file=sys.stderr)
+        print(
+            f"gpu_check: cupy not importable ({type(e).__name__}: {e}): install cupy-cuda13x", file=sys.stderr
+        )
         return 2
     INFO.update(
         date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

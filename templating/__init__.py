@@ -8,4 +8,12 @@ Public API::
 from templating.chat_template import TEXT_PART_SEPARATOR, ChatPrompt, ChatTemplate, normalize_messages
 from templating.tokenizer import TextTokenizer, cached_tokenizer, load_tokenizer
 
-__all__ = ["ChatPrompt", "ChatTemplate", "TEXT_PART_SEPARATOR", "TextTokenizer", "cached_tokenizer", "load_tokenizer", "normalize_messages"]
+__all__ = [
+    "ChatPrompt",
+    "ChatTemplate",
+    "TEXT_PART_SEPARATOR",
+    "TextTokenizer",
+    "cached_tokenizer",
+    "load_tokenizer",
+    "normalize_messages",
+]

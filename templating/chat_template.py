@@ -95,7 +95,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # HF: "We override the built-in tojson filter because Jinja's default filter escapes HTML characters".
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -149,7 +151,8 @@ def _content_to_text(content: Any, param: str, role: str = "user") -> str:
                 if not isinstance(ptype, str):
                     raise InvalidRequest(f"'{pp}.type' is required and must be a string.", param=f"{pp}.type")
                 raise InvalidRequest(
-                    f"'{pp}.type' is {ptype!r}: this model accepts only 'text' content parts.", param=f"{pp}.type"
+                    f"'{pp}.type' is {ptype!r}: this model accepts only 'text' content parts.",
+                    param=f"{pp}.type",
                 )
             text = part.get("text")
             if not isinstance(text, str):
@@ -186,7 +189,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if role not in VALID_ROLES:
             raise InvalidRequest(
                 f"Invalid value for '{p}.role': {role[:64]!r}. Supported values are: {', '.join(repr(r) for r in VALID_ROLES)}.",
-                param=f"{p}.role", code="invalid_value",
+                param=f"{p}.role",
+                code="invalid_value",
             )
         role = _ROLE_ALIASES.get(role, role)
         content = m.get("content")
@@ -232,8 +236,8 @@ class _Neutralizer:
         self.sp = specials
         # 6 random private-use characters (U+E000..U+F8FF): ~2^75 choices, not guessable by a client.
         nonce = "".join(chr(0xE000 + secrets.randbelow(0x1900)) for _ in range(6))
-        self.open = "\U000F0000" + nonce
-        self.close = "\U000F0001"
+        self.open = "\U000f0000" + nonce
+        self.close = "\U000f0001"
         self.literals: list[str] = []
 
     def _ph(self, literal: str) -> str:
@@ -350,7 +354,8 @@ class ChatTemplate:
                     raise InvalidRequest(
                         f"'messages[{i}].content' is null, but this model's chat template does not render 'tool_calls': "
                         "give the assistant message a text content.",
-                        param=f"messages[{i}].content", code="unsupported_value",
+                        param=f"messages[{i}].content",
+                        code="unsupported_value",
                     )
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise InvalidRequest("'tools' must be an array of objects.", param="tools")
@@ -367,7 +372,7 @@ class ChatTemplate:
                     "'continue_final_message' needs the final message to be from the assistant.",
                     param=f"messages[{len(msgs) - 1}].role",
                 )
-            marker = "\U000F0002" + secrets.token_hex(8) + "\U000F0003"
+            marker = "\U000f0002" + secrets.token_hex(8) + "\U000f0003"
             final = (last.get("content") or "").rstrip()
             msgs[-1] = dict(last, content=final + marker)
 
@@ -387,7 +392,9 @@ class ChatTemplate:
             log.info("chat template failed on a request: %s", type(e).__name__)  # internals stay in the log
             raise InvalidRequest(
                 "The model's chat template could not render these messages (a field is missing or of a type it "
-                "does not accept).", param="messages", code="invalid_value",
+                "does not accept).",
+                param="messages",
+                code="invalid_value",
             ) from None
 
         if marker is not None:

@@ -41,7 +41,11 @@ _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE (openai/gpt-2 encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -193,7 +197,9 @@ def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer:
     return _from_gguf(p)
 
 
-def _finish(tok: Tokenizer, special: dict[int, str], *, bos, eos, unk, pad, chat_template, byte_level: bool) -> TextTokenizer:
+def _finish(
+    tok: Tokenizer, special: dict[int, str], *, bos, eos, unk, pad, chat_template, byte_level: bool
+) -> TextTokenizer:
     plain = Tokenizer.from_str(tok.to_str())
     plain.encode_special_tokens = True
     n = tok.get_vocab_size(with_added_tokens=True)
@@ -224,7 +230,19 @@ def _finish(tok: Tokenizer, special: dict[int, str], *, bos, eos, unk, pad, chat
     )
 
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 
 
 def _read_gguf_metadata(path: Path) -> dict[str, object]:
@@ -320,7 +338,9 @@ def _from_gguf(path: Path) -> TextTokenizer:
     tok.normalizer = None
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre == "smollm":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     elif pre in ("default", "gpt2", "gpt-2"):
         tok.pre_tokenizer = byte_level
     else:
@@ -332,9 +352,13 @@ def _from_gguf(path: Path) -> TextTokenizer:
     for i, (t, ty) in enumerate(zip(tokens, types)):
         if ty == _TT_CONTROL:
             special[i] = t
-            added.append(AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False))
+            added.append(
+                AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+            )
         elif ty == _TT_USER_DEFINED:
-            added.append(AddedToken(t, special=False, normalized=False, lstrip=False, rstrip=False, single_word=False))
+            added.append(
+                AddedToken(t, special=False, normalized=False, lstrip=False, rstrip=False, single_word=False)
+            )
     if added:
         tok.add_tokens(added)  # ids already exist in the vocab: add_tokens reuses them
 

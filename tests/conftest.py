@@ -35,6 +35,7 @@ def chat_fixtures() -> list[dict]:
 def tokenizer_fixtures() -> list[dict]:
     return json.loads((FIXTURES / "smollm2_tokenizer.json").read_text())["texts"]
 
+
 def _missing_system_packages() -> list[str]:
     """The system programs some tests run for real (installed by ``scripts/sysdeps.sh``) that are absent."""
     missing = [] if shutil.which("redis-server") else ["redis-server"]

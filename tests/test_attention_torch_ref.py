@@ -46,11 +46,16 @@ def build(seqs, num_blocks, rng, bs=BS):
             nd += 1
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        num_decodes=nd, max_query_len=max(qlens), max_seq_len=max(seq_lens), block_size=bs,
-        seq_lens_cpu=seq_lens, query_lens_cpu=qlens,
+        num_decodes=nd,
+        max_query_len=max(qlens),
+        max_seq_len=max(seq_lens),
+        block_size=bs,
+        seq_lens_cpu=seq_lens,
+        query_lens_cpu=qlens,
     )
     return meta, tables
 
@@ -121,8 +126,14 @@ def test_cpu_kernel_rejects_bad_tables(cpu_kernel) -> None:
     with pytest.raises(RuntimeError, match="length"):
         cpu_kernel.paged_decode(q, k, k, bt, torch.tensor([2 * BS + 1], dtype=torch.int32), 0.125)
     with pytest.raises(RuntimeError, match="block id"):
-        cpu_kernel.paged_decode(q, k, k, torch.tensor([[0, 9]], dtype=torch.int32),
-                                torch.tensor([BS + 1], dtype=torch.int32), 0.125)
+        cpu_kernel.paged_decode(
+            q,
+            k,
+            k,
+            torch.tensor([[0, 9]], dtype=torch.int32),
+            torch.tensor([BS + 1], dtype=torch.int32),
+            0.125,
+        )
     out = cpu_kernel.paged_decode(q, k, k, bt, torch.tensor([BS + 1], dtype=torch.int32), 0.125)
     assert out.shape == (1, NKV * G, HD) and out.dtype == torch.bfloat16
 
@@ -181,8 +192,13 @@ def check_batch(seqs, nh, nkv, hd, bs, mode, attn, seed=0):
         v_cache.view(-1, nkv, hd)[slots] = v[:c]
     T = sum(n for _, n in seqs)
     q = torch.randn(T, nh, hd, generator=gen)
-    attn.write_kv(torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)]),
-                  torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)]), k_cache, v_cache, meta)
+    attn.write_kv(
+        torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)]),
+        torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)]),
+        k_cache,
+        v_cache,
+        meta,
+    )
     scale = hd**-0.5
     qin = q.to(q_dt)
     out = attn.forward(qin, k_cache, v_cache, meta, scale)
@@ -254,7 +270,11 @@ def test_cpu_kernel_rejects_empty_sequence_and_fp16(cpu_kernel) -> None:
         cpu_kernel.paged_decode(q, k, k, bt, torch.tensor([0], dtype=torch.int32), 0.125)
     with pytest.raises(RuntimeError, match="dtype"):
         cpu_kernel.paged_decode(q, k.half(), k.half(), bt, torch.tensor([3], dtype=torch.int32), 0.125)
-    assert cpu_kernel.paged_decode(q[:0], k, k, bt, torch.tensor([3], dtype=torch.int32), 0.125).shape == (0, NKV * G, HD)
+    assert cpu_kernel.paged_decode(q[:0], k, k, bt, torch.tensor([3], dtype=torch.int32), 0.125).shape == (
+        0,
+        NKV * G,
+        HD,
+    )
 
 
 def test_kernel_disabled_by_env_falls_back(monkeypatch) -> None:
@@ -389,7 +409,11 @@ def test_rope_write_kv_rejects_bad_slots_and_positions(cpu_kernel) -> None:
     cos = torch.ones(4, hd)
     qkv = torch.zeros(1, (nh + 2 * nkv) * hd)
     with pytest.raises(RuntimeError, match="slot"):
-        cpu_kernel.rope_write_kv(qkv, torch.tensor([0]), cos, cos, cache, cache.clone(), torch.tensor([16]), nh, nkv)
+        cpu_kernel.rope_write_kv(
+            qkv, torch.tensor([0]), cos, cos, cache, cache.clone(), torch.tensor([16]), nh, nkv
+        )
     with pytest.raises(RuntimeError, match="position"):
-        cpu_kernel.rope_write_kv(qkv, torch.tensor([4]), cos, cos, cache, cache.clone(), torch.tensor([0]), nh, nkv)
+        cpu_kernel.rope_write_kv(
+            qkv, torch.tensor([4]), cos, cos, cache, cache.clone(), torch.tensor([0]), nh, nkv
+        )
     assert (cache == 0).all()

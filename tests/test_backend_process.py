@@ -84,8 +84,23 @@ class Client:
 def backend(tmp_path_factory, model_path):
     path = str(tmp_path_factory.mktemp("be") / "backend.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{path}", "--dtype", "float32",
-         "--num-kv-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"],
+        [
+            sys.executable,
+            "-m",
+            "backend",
+            "--model",
+            model_path,
+            "--listen",
+            f"unix:{path}",
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+        ],
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
@@ -215,7 +230,9 @@ def test_abort_and_disconnect_free_blocks(backend):
     a.send(P.Abort(request_id="gone1"))
     while True:
         m = a.recv()
-        if isinstance(m, P.StepOutputs) and any(o.request_id == "gone1" and o.finish_reason == "abort" for o in m.outputs):
+        if isinstance(m, P.StepOutputs) and any(
+            o.request_id == "gone1" and o.finish_reason == "abort" for o in m.outputs
+        ):
             break
     a.close()  # drops gone2
     c = Client(path)
@@ -237,8 +254,19 @@ def test_abort_and_disconnect_free_blocks(backend):
 def test_shutdown_exits_zero(tmp_path, model_path):
     path = str(tmp_path / "b.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{path}", "--dtype", "float32",
-         "--num-kv-blocks", "16"],
+        [
+            sys.executable,
+            "-m",
+            "backend",
+            "--model",
+            model_path,
+            "--listen",
+            f"unix:{path}",
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "16",
+        ],
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
@@ -256,6 +284,8 @@ def test_shutdown_exits_zero(tmp_path, model_path):
             msgs.append(c.recv())
     except (EOFError, ConnectionResetError):
         pass
-    assert any(isinstance(m, P.StepOutputs) and any(o.finish_reason == "abort" for o in m.outputs) for m in msgs)
+    assert any(
+        isinstance(m, P.StepOutputs) and any(o.finish_reason == "abort" for o in m.outputs) for m in msgs
+    )
     assert proc.wait(timeout=30) == 0
     assert not os.path.exists(path)

@@ -26,15 +26,33 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_filters_http import COUNT, CUT_FILTERS, cors_wired, new_tenant, output_filter_wired, require, tenancy_wired
+from test_filters_http import (
+    COUNT,
+    CUT_FILTERS,
+    cors_wired,
+    new_tenant,
+    output_filter_wired,
+    require,
+    tenancy_wired,
+)
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 STATIC = Path(__file__).resolve().parent.parent / "gateway" / "static"
 SLOW = 240_000  # ms: generation on a busy 2-core CI box
 
-pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason=f"{CHROMIUM} is missing (make sysdeps installs it)")
+pytestmark = pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK), reason=f"{CHROMIUM} is missing (make sysdeps installs it)"
+)
 
 # Counts DOM updates of the answer text and records its length after each one.
 OBSERVE = """() => {
@@ -64,7 +82,10 @@ def browser():
 @pytest.fixture
 def gw(gateway):
     r = httpx.get(gateway.base_url + "/", timeout=30)
-    require(r.status_code == 200 and "Gateway Playground" in r.text, "the playground (GET / -> gateway/static/index.html)")
+    require(
+        r.status_code == 200 and "Gateway Playground" in r.text,
+        "the playground (GET / -> gateway/static/index.html)",
+    )
     require(cors_wired(gateway), "gateway.cors.CORSMiddleware")
     require(tenancy_wired(gateway), "tenancy")
     return gateway
@@ -83,8 +104,17 @@ def page(browser):
     assert not [c for c in console if "Content Security Policy" in c], console
 
 
-def open_playground(page, base_url: str, key: str, *, api_base: str = "", max_tokens: int = 16, temperature: float = 0.0,
-                    system: str = "", model: str | None = None):
+def open_playground(
+    page,
+    base_url: str,
+    key: str,
+    *,
+    api_base: str = "",
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    system: str = "",
+    model: str | None = None,
+):
     page.goto(base_url + "/")
     page.evaluate("() => localStorage.clear()")
     page.reload()
@@ -124,7 +154,10 @@ def test_stream_grows_then_stats(gw, page):
     growth = page.evaluate("window.__growth")
     lengths = sorted(set(x for x in growth if x > 0))
     assert len(lengths) >= 3, growth  # the answer grew in at least 3 DOM updates
-    stats = {el.get_attribute("data-stat"): el.inner_text() for el in last_answer(page).locator(".stats span").all()}
+    stats = {
+        el.get_attribute("data-stat"): el.inner_text()
+        for el in last_answer(page).locator(".stats span").all()
+    }
     assert stats["ttft"].startswith("TTFT ") and stats["ttft"].endswith(" ms")
     assert stats["tps"].endswith(" tok/s") and float(stats["tps"].split()[0]) > 0
     assert re.fullmatch(r"\d+ cached", stats["cached"]) and re.fullmatch(r"\d+ prompt", stats["prompt"])
@@ -139,7 +172,9 @@ def test_stop_aborts_backend(gw, page):
     open_playground(page, gw.base_url, key, max_tokens=2000, temperature=0.8)
     before = gw.stats()["aborts"]
     send(page, "Tell me a very long story about a dragon and a knight.")
-    page.wait_for_function("() => document.querySelector('.msg.assistant:last-child .content').textContent.length > 5")
+    page.wait_for_function(
+        "() => document.querySelector('.msg.assistant:last-child .content').textContent.length > 5"
+    )
     t_stop = time.monotonic()
     page.click("#stop")
     assert wait_state(page, "stopped") == "stopped"
@@ -160,6 +195,7 @@ def test_cross_origin_page_streams_with_authorization(gw, page):
     shutil.copy(STATIC / "index.html", d)
     for n in ("app.js", "app.css"):
         shutil.copy(STATIC / n, f"{d}/static/")
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *a):
             pass

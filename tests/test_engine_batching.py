@@ -26,7 +26,10 @@ def runner(model_path):
 @pytest.fixture(scope="module")
 def prompts(chat_fixtures):
     """16 ChatML prompts of mixed lengths (15..170 tokens) built from the short fixture chats."""
-    base = [json.loads(c["prompt_ids"]) if isinstance(c["prompt_ids"], str) else c["prompt_ids"] for c in chat_fixtures]
+    base = [
+        json.loads(c["prompt_ids"]) if isinstance(c["prompt_ids"], str) else c["prompt_ids"]
+        for c in chat_fixtures
+    ]
     base = [p for p in base if len(p) < 100][:5]
     out = list(base)
     out += [p[: max(3, len(p) // 2)] for p in base]
@@ -41,7 +44,12 @@ def greedy(max_tokens=12, **kw):
 
 
 def run(engine, items):
-    res = engine.generate([Submit(request_id=str(i), prompt_ids=p, sampling=s, cache_salt=salt) for i, (p, s, salt) in enumerate(items)])
+    res = engine.generate(
+        [
+            Submit(request_id=str(i), prompt_ids=p, sampling=s, cache_salt=salt)
+            for i, (p, s, salt) in enumerate(items)
+        ]
+    )
     return [res[str(i)] for i in range(len(items))]
 
 
@@ -50,7 +58,11 @@ def test_greedy_matches_reference_fixture(runner, chat_fixtures):
     for c in chat_fixtures[:3]:
         ids = json.loads(c["prompt_ids"]) if isinstance(c["prompt_ids"], str) else c["prompt_ids"]
         ref = json.loads(c["greedy_ids"]) if isinstance(c["greedy_ids"], str) else c["greedy_ids"]
-        gaps = json.loads(c["greedy_top2_gap"]) if isinstance(c["greedy_top2_gap"], str) else c["greedy_top2_gap"]
+        gaps = (
+            json.loads(c["greedy_top2_gap"])
+            if isinstance(c["greedy_top2_gap"], str)
+            else c["greedy_top2_gap"]
+        )
         # compare up to the first near tie
         n = next((i for i, g in enumerate(gaps) if g < 1e-3), len(ref))
         n = min(n, 16)
@@ -133,7 +145,16 @@ def test_prefix_cache_hits_same_tokens_salt_and_eviction(runner, prompts):
 def test_abort_frees_everything_at_any_moment(runner, prompts):
     eng = Engine(runner)
     for i, p in enumerate(prompts[:6]):
-        assert eng.add_request(Submit(request_id=f"r{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=50, n=2 if i % 2 else 1, ignore_eos=True))) is None
+        assert (
+            eng.add_request(
+                Submit(
+                    request_id=f"r{i}",
+                    prompt_ids=p,
+                    sampling=SamplingParams(max_tokens=50, n=2 if i % 2 else 1, ignore_eos=True),
+                )
+            )
+            is None
+        )
     seen = []
     for step in range(4):
         seen += eng.step()
@@ -161,7 +182,14 @@ def test_n_choices_share_prompt_and_differ(runner, prompts):
         assert fin is not None and fin.usage.prompt_tokens == len(p)
     # same seed, same request -> identical, even alongside other work
     eng2 = Engine(runner)
-    outs = run(eng2, [(prompts[3], greedy(), ""), (p, sp, ""), (prompts[5], SamplingParams(temperature=1.0, max_tokens=20), "")])
+    outs = run(
+        eng2,
+        [
+            (prompts[3], greedy(), ""),
+            (p, sp, ""),
+            (prompts[5], SamplingParams(temperature=1.0, max_tokens=20), ""),
+        ],
+    )
     assert [collect_tokens(outs[1], i) for i in range(3)] == choices
     assert eng2.stats().kv_blocks_used == 0
 
@@ -172,7 +200,14 @@ def test_chunked_prefill_long_prompt_does_not_stall_stream_or_short_request(runn
     plain scheduler in test_scheduler_property.py). The running stream gets a token every step and a
     short request arriving mid-prefill gets its first token in the step after it arrives."""
     eng = Engine(runner, max_num_batched_tokens=64, max_num_seqs=8)
-    assert eng.add_request(Submit(request_id="stream", prompt_ids=prompts[0], sampling=greedy(max_tokens=400, ignore_eos=True))) is None
+    assert (
+        eng.add_request(
+            Submit(
+                request_id="stream", prompt_ids=prompts[0], sampling=greedy(max_tokens=400, ignore_eos=True)
+            )
+        )
+        is None
+    )
     while not eng.step():
         pass
     long = ((prompts[10] + prompts[11] + prompts[12] + prompts[13]) * 10)[:1024]
@@ -180,7 +215,12 @@ def test_chunked_prefill_long_prompt_does_not_stall_stream_or_short_request(runn
     stream_steps, short_first, long_first = [], None, None
     for step in range(40):
         if step == 3:
-            assert eng.add_request(Submit(request_id="short", prompt_ids=prompts[0][:10], sampling=greedy(max_tokens=3))) is None
+            assert (
+                eng.add_request(
+                    Submit(request_id="short", prompt_ids=prompts[0][:10], sampling=greedy(max_tokens=3))
+                )
+                is None
+            )
         outs = eng.step()
         ids = {m.request_id for _, m in outs}
         stream_steps.append("stream" in ids)
@@ -216,7 +256,9 @@ def test_abort_one_choice_frees_it_and_others_go_on(runner, prompts):
     (fin,) = eng.abort_choice("a", 1)
     outs.append((None, fin))
     assert fin.finish_reason == "abort" and fin.index == 1
-    assert eng.abort_choice("a", 1) == [] and eng.abort_choice("a", 7) == [] and eng.abort_choice("zz", 0) == []
+    assert (
+        eng.abort_choice("a", 1) == [] and eng.abort_choice("a", 7) == [] and eng.abort_choice("zz", 0) == []
+    )
     assert sum(s.request.request_id == "a" for s in eng.scheduler.running) == 2
     assert eng.stats().kv_blocks_used < used_before  # choice 1's own (unshared) block went back
     eng.scheduler.check_invariants()

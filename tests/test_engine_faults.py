@@ -18,8 +18,18 @@ def test_finished_request_keeps_its_final_output_when_a_later_one_fails(runner, 
     ids = chat_fixtures[0]["prompt_ids"]
     eng = Engine(runner)
     greedy = dict(temperature=0.0, ignore_eos=True)
-    assert eng.add_request(Submit(request_id="a", prompt_ids=ids, sampling=SamplingParams(max_tokens=1, **greedy))) is None
-    assert eng.add_request(Submit(request_id="b", prompt_ids=ids, sampling=SamplingParams(max_tokens=8, **greedy))) is None
+    assert (
+        eng.add_request(
+            Submit(request_id="a", prompt_ids=ids, sampling=SamplingParams(max_tokens=1, **greedy))
+        )
+        is None
+    )
+    assert (
+        eng.add_request(
+            Submit(request_id="b", prompt_ids=ids, sampling=SamplingParams(max_tokens=8, **greedy))
+        )
+        is None
+    )
 
     state = eng.requests["b"].states[0]
 
@@ -35,8 +45,14 @@ def test_finished_request_keeps_its_final_output_when_a_later_one_fails(runner, 
         msgs += [m for _, m in eng.step()]
         if not eng.has_work():
             break
-    finals_a = [m for m in msgs if isinstance(m, RequestOutput) and m.request_id == "a" and m.finish_reason is not None]
-    assert len(finals_a) == 1 and finals_a[0].finish_reason == "length" and len(finals_a[0].new_token_ids) == 1
+    finals_a = [
+        m
+        for m in msgs
+        if isinstance(m, RequestOutput) and m.request_id == "a" and m.finish_reason is not None
+    ]
+    assert (
+        len(finals_a) == 1 and finals_a[0].finish_reason == "length" and len(finals_a[0].new_token_ids) == 1
+    )
     assert any(isinstance(m, RequestError) and m.request_id == "b" for m in msgs)
     st = eng.stats()
     assert st.running == 0 and st.waiting == 0 and st.kv_blocks_used == 0

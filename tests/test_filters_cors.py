@@ -18,10 +18,14 @@ from gateway.errors import APIError, RateLimited
 
 def _inner_app():
     async def ok(request):
-        return PlainTextResponse("ok", headers={"x-request-id": "req-1", "x-ratelimit-remaining-requests": "9"})
+        return PlainTextResponse(
+            "ok", headers={"x-request-id": "req-1", "x-ratelimit-remaining-requests": "9"}
+        )
 
     async def limited(request):
-        raise RateLimited("slow down", code="rate_limit_exceeded", headers={"retry-after": "2", "retry-after-ms": "1500"})
+        raise RateLimited(
+            "slow down", code="rate_limit_exceeded", headers={"retry-after": "2", "retry-after-ms": "1500"}
+        )
 
     async def boom(request):
         raise RuntimeError("bug")
@@ -29,15 +33,30 @@ def _inner_app():
     async def on_api_error(request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    app = Starlette(routes=[Route("/v1/ok", ok, methods=["GET", "POST"]), Route("/v1/limited", limited), Route("/v1/boom", boom)],
-                    exception_handlers={APIError: on_api_error})
+    app = Starlette(
+        routes=[
+            Route("/v1/ok", ok, methods=["GET", "POST"]),
+            Route("/v1/limited", limited),
+            Route("/v1/boom", boom),
+        ],
+        exception_handlers={APIError: on_api_error},
+    )
 
     async def auth(scope, receive, send):
         if scope["type"] == "http":
             hdrs = dict(scope["headers"])
             if hdrs.get(b"authorization") != b"Bearer good":
-                resp = JSONResponse({"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
-                                               "param": None, "code": "invalid_api_key"}}, status_code=401)
+                resp = JSONResponse(
+                    {
+                        "error": {
+                            "message": "Incorrect API key provided.",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "invalid_api_key",
+                        }
+                    },
+                    status_code=401,
+                )
                 await resp(scope, receive, send)
                 return
         await app(scope, receive, send)
@@ -47,11 +66,16 @@ def _inner_app():
 
 def _client(**kw):
     app = CORSMiddleware(_inner_app(), **kw)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://gw")
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://gw"
+    )
 
 
-PREFLIGHT = {"origin": "http://page.example:3000", "access-control-request-method": "POST",
-             "access-control-request-headers": "authorization, content-type"}
+PREFLIGHT = {
+    "origin": "http://page.example:3000",
+    "access-control-request-method": "POST",
+    "access-control-request-headers": "authorization, content-type",
+}
 
 
 async def test_preflight_is_204_without_auth():
@@ -75,8 +99,13 @@ async def test_cors_headers_on_every_response(path, status):
         assert r.status_code == status
         assert r.headers["access-control-allow-origin"] == "*"
         exposed = {h.strip() for h in r.headers["access-control-expose-headers"].split(",")}
-        assert {"x-request-id", "retry-after", "retry-after-ms", "x-ratelimit-remaining-requests",
-                "x-ratelimit-reset-tokens"} <= exposed
+        assert {
+            "x-request-id",
+            "retry-after",
+            "retry-after-ms",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-tokens",
+        } <= exposed
         assert set(EXPOSE_HEADERS) == exposed
 
 
@@ -91,7 +120,10 @@ async def test_401_carries_cors_headers():
 async def test_origin_allowlist():
     async with _client(origins=["http://good.example", "http://127.0.0.1:9999/"]) as c:
         r = await c.get("/v1/ok", headers={"origin": "http://good.example", "authorization": "Bearer good"})
-        assert r.headers["access-control-allow-origin"] == "http://good.example" and "origin" in r.headers["vary"].lower()
+        assert (
+            r.headers["access-control-allow-origin"] == "http://good.example"
+            and "origin" in r.headers["vary"].lower()
+        )
         r = await c.get("/v1/ok", headers={"origin": "http://127.0.0.1:9999", "authorization": "Bearer good"})
         assert r.headers["access-control-allow-origin"] == "http://127.0.0.1:9999"
         r = await c.get("/v1/ok", headers={"origin": "http://evil.example", "authorization": "Bearer good"})

@@ -61,7 +61,15 @@ def test_parse_config_rejects(bad):
 
 def test_parse_config_roundtrip_and_defaults():
     assert not parse_config(None).enabled and not parse_config({}).enabled
-    c = parse_config({"hooks": [{"type": "pii"}, {"type": "pii", "action": "block"}, {"type": "blocklist", "keywords": ["x"]}]})
+    c = parse_config(
+        {
+            "hooks": [
+                {"type": "pii"},
+                {"type": "pii", "action": "block"},
+                {"type": "blocklist", "keywords": ["x"]},
+            ]
+        }
+    )
     assert c.output_window == 64
     assert [h.name for h in c.hooks] == ["pii", "pii-2", "blocklist"]
     assert parse_config(c.to_json()) == c
@@ -73,17 +81,37 @@ def test_parse_config_roundtrip_and_defaults():
 
 
 async def test_blocklist_prompt_blocks_with_azure_shape():
-    p = pipeline_for({"hooks": [{"type": "blocklist", "name": "words", "keywords": ["secret plan"], "patterns": [r"b[o0]mb"], "category": "violence"}]})
+    p = pipeline_for(
+        {
+            "hooks": [
+                {
+                    "type": "blocklist",
+                    "name": "words",
+                    "keywords": ["secret plan"],
+                    "patterns": [r"b[o0]mb"],
+                    "category": "violence",
+                }
+            ]
+        }
+    )
     msgs = [{"role": "user", "content": "what is the Secret  plan"}]
     assert await p.check_prompt("t1", msgs) is msgs  # whitespace differs: keyword is literal
     for content in ("the SECRET PLAN!", [{"type": "text", "text": "ok"}, {"type": "text", "text": "a b0mb"}]):
         with pytest.raises(ContentFiltered) as ei:
-            await p.check_prompt("t1", [{"role": "system", "content": "hi"}, {"role": "user", "content": content}])
+            await p.check_prompt(
+                "t1", [{"role": "system", "content": "hi"}, {"role": "user", "content": content}]
+            )
         e = ei.value
         assert e.status == 400
         body = e.body()["error"]
-        assert body["code"] == "content_filter" and body["param"] == "messages" and body["type"] == "invalid_request_error"
-        assert body["innererror"]["content_filter_result"] == {"violence": {"filtered": True, "detected": True, "hook": "words"}}
+        assert (
+            body["code"] == "content_filter"
+            and body["param"] == "messages"
+            and body["type"] == "invalid_request_error"
+        )
+        assert body["innererror"]["content_filter_result"] == {
+            "violence": {"filtered": True, "detected": True, "hook": "words"}
+        }
         assert "b0mb" not in body["message"] and "SECRET" not in body["message"]
     # whole words only
     assert await p.check_prompt("t1", [{"role": "user", "content": "secret planet"}])
@@ -98,7 +126,12 @@ async def test_blocklist_roles():
 
 def test_luhn():
     assert luhn_ok("4111111111111111") and luhn_ok("79927398713") and luhn_ok("378282246310005")
-    assert not luhn_ok("4111111111111112") and not luhn_ok("79927398710") and not luhn_ok("") and not luhn_ok("12a4")
+    assert (
+        not luhn_ok("4111111111111112")
+        and not luhn_ok("79927398710")
+        and not luhn_ok("")
+        and not luhn_ok("12a4")
+    )
 
 
 async def test_pii_redaction_prompt():
@@ -124,15 +157,23 @@ async def test_pii_redaction_prompt():
     out = await p.check_prompt("t", [{"role": "user", "content": [{"type": "text", "text": "me: a@b.io"}]}])
     assert out[0]["content"][0]["text"] == "me: [EMAIL]"
     pb = pipeline_for({"hooks": [{"type": "pii", "name": "nopii", "kinds": ["card"], "action": "block"}]})
-    await pb.check_prompt("t", [{"role": "user", "content": "a@b.io 4111 1111 1111 1112"}])  # Luhn-invalid: allowed
+    await pb.check_prompt(
+        "t", [{"role": "user", "content": "a@b.io 4111 1111 1111 1112"}]
+    )  # Luhn-invalid: allowed
     with pytest.raises(ContentFiltered) as ei:
         await pb.check_prompt("t", [{"role": "user", "content": "pay with 5555555555554444"}])
-    assert ei.value.body()["error"]["innererror"]["content_filter_result"] == {"pii": {"filtered": True, "detected": True, "hook": "nopii"}}
+    assert ei.value.body()["error"]["innererror"]["content_filter_result"] == {
+        "pii": {"filtered": True, "detected": True, "hook": "nopii"}
+    }
 
 
 def test_find_pii_kinds():
     text = "x@y.org 555-123-4567 6011111111111117"
-    assert [k for _, _, k in find_pii(text, frozenset({"email", "phone", "card"}))] == ["email", "phone", "card"]
+    assert [k for _, _, k in find_pii(text, frozenset({"email", "phone", "card"}))] == [
+        "email",
+        "phone",
+        "card",
+    ]
     assert [k for _, _, k in find_pii(text, frozenset({"card"}))] == ["card"]
 
 
@@ -155,9 +196,13 @@ async def _stream(of, text, sizes):
 @pytest.mark.parametrize("window", [0, 8, 64, 200])
 async def test_output_cut_never_leaks_and_window_bounded(window):
     rng = random.Random(window)
-    p = build_pipeline(parse_config({"output_window": window, "hooks": [{"type": "blocklist", "keywords": ["forbidden"]}]}))
+    p = build_pipeline(
+        parse_config({"output_window": window, "hooks": [{"type": "blocklist", "keywords": ["forbidden"]}]})
+    )
     for trial in range(30):
-        words = [rng.choice(["alpha", "beta", "gamma", "forbid", "den", "x"]) for _ in range(rng.randint(5, 60))]
+        words = [
+            rng.choice(["alpha", "beta", "gamma", "forbid", "den", "x"]) for _ in range(rng.randint(5, 60))
+        ]
         cut_expected = rng.random() < 0.6
         if cut_expected:
             words.insert(rng.randint(0, len(words)), "forbidden")
@@ -168,7 +213,9 @@ async def test_output_cut_never_leaks_and_window_bounded(window):
         sent = "".join(pieces)
         assert max_held <= window
         if "forbidden" in text.split(" "):
-            assert of.cut and of.result == {"blocklist": {"filtered": True, "detected": True, "hook": "blocklist"}}
+            assert of.cut and of.result == {
+                "blocklist": {"filtered": True, "detected": True, "hook": "blocklist"}
+            }
             pos = text.split(" ").index("forbidden")
             cut_at = len(" ".join(text.split(" ")[:pos])) + (1 if pos else 0)
             assert text.startswith(sent)
@@ -207,7 +254,11 @@ async def test_output_pii_redacted_within_window():
 async def test_output_cut_rechecks_prefix_with_all_hooks():
     # PII defers an e-mail in the held-back tail; the blocklist cuts right after it: the e-mail
     # released with the safe prefix must still be redacted.
-    p = build_pipeline(parse_config({"output_window": 64, "hooks": [{"type": "pii"}, {"type": "blocklist", "keywords": ["boom"]}]}))
+    p = build_pipeline(
+        parse_config(
+            {"output_window": 64, "hooks": [{"type": "pii"}, {"type": "blocklist", "keywords": ["boom"]}]}
+        )
+    )
     of = p.output_filter()
     pieces, _ = await _stream(of, "write to x@example.org boom and more", [40])
     assert of.cut and "".join(pieces) == "write to [EMAIL] "
@@ -235,12 +286,16 @@ class _Shout(Hook):
 async def test_custom_hook_registration():
     register_hook_type(_Shout)
     p = pipeline_for({"output_window": 4, "hooks": [{"type": "test-shout", "name": "shout"}]})
-    assert await p.check_prompt("t", [{"role": "user", "content": "hi"}]) == [{"role": "user", "content": "HI"}]
+    assert await p.check_prompt("t", [{"role": "user", "content": "hi"}]) == [
+        {"role": "user", "content": "HI"}
+    ]
     with pytest.raises(ContentFiltered):
         await p.check_prompt("blocked-tenant", [{"role": "user", "content": "hi"}])
     of = p.output_filter()
     out = [await of.feed(c) for c in "hello world! more"]
-    assert "".join(out) == "hello world" and of.result == {"excited": {"filtered": True, "detected": True, "hook": "shout"}}
+    assert "".join(out) == "hello world" and of.result == {
+        "excited": {"filtered": True, "detected": True, "hook": "shout"}
+    }
 
 
 # ------------------------------------------------------------------ webhook (real HTTP server)
@@ -263,9 +318,14 @@ class _Moderation(BaseHTTPRequestHandler):
             return
         flagged = "forbidden" in body["input"].lower()
         if self.path == "/openai":
-            resp = {"id": "modr-1", "results": [{"flagged": flagged, "categories": {"hate": False, "violence": flagged}}]}
+            resp = {
+                "id": "modr-1",
+                "results": [{"flagged": flagged, "categories": {"hate": False, "violence": flagged}}],
+            }
         else:
-            resp = {"flagged": flagged, "categories": {"self-harm": flagged}} if flagged else {"flagged": False}
+            resp = (
+                {"flagged": flagged, "categories": {"self-harm": flagged}} if flagged else {"flagged": False}
+            )
         data = json.dumps(resp).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
@@ -286,7 +346,9 @@ def moderation_url():
 
 
 def _hook(url, **kw):
-    return pipeline_for({"hooks": [{"type": "webhook", "name": "mod", "url": url, "headers": {"x-token": "s3"}, **kw}]})
+    return pipeline_for(
+        {"hooks": [{"type": "webhook", "name": "mod", "url": url, "headers": {"x-token": "s3"}, **kw}]}
+    )
 
 
 async def test_webhook_prompt_allow_and_block(moderation_url):
@@ -299,7 +361,9 @@ async def test_webhook_prompt_allow_and_block(moderation_url):
     assert body["messages"] == msgs and "user: hello" in body["input"]
     with pytest.raises(ContentFiltered) as ei:
         await p.check_prompt("t9", [{"role": "user", "content": "something FORBIDDEN"}])
-    assert ei.value.body()["error"]["innererror"]["content_filter_result"] == {"self-harm": {"filtered": True, "detected": True, "hook": "mod"}}
+    assert ei.value.body()["error"]["innererror"]["content_filter_result"] == {
+        "self-harm": {"filtered": True, "detected": True, "hook": "mod"}
+    }
     p2 = _hook(moderation_url + "/openai", stages=["prompt"])
     with pytest.raises(ContentFiltered) as ei:
         await p2.check_prompt("t9", [{"role": "user", "content": "forbidden"}])
@@ -328,14 +392,22 @@ async def test_webhook_unreachable_fails_per_policy():
         await s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     msgs = [{"role": "user", "content": "x"}]
-    assert await _hook(f"http://127.0.0.1:{port}/m", fail="open", stages=["prompt"]).check_prompt("t", msgs) is msgs
+    assert (
+        await _hook(f"http://127.0.0.1:{port}/m", fail="open", stages=["prompt"]).check_prompt("t", msgs)
+        is msgs
+    )
     with pytest.raises(ContentFiltered):
         await _hook(f"http://127.0.0.1:{port}/m", fail="closed", stages=["prompt"]).check_prompt("t", msgs)
 
 
 async def test_webhook_output_windows(moderation_url):
     _Moderation.calls.clear()
-    p = pipeline_for({"output_window": 16, "hooks": [{"type": "webhook", "name": "mod", "url": moderation_url + "/m", "stages": ["output"]}]})
+    p = pipeline_for(
+        {
+            "output_window": 16,
+            "hooks": [{"type": "webhook", "name": "mod", "url": moderation_url + "/m", "stages": ["output"]}],
+        }
+    )
     of = p.output_filter("t3")
     text = "The quick brown fox jumps over the lazy dog. " * 4
     pieces, max_held = await _stream(of, text, [1])
@@ -353,11 +425,37 @@ async def test_webhook_output_windows(moderation_url):
 
 
 async def test_webhook_output_timeout_fail_closed_cuts(moderation_url):
-    p = pipeline_for({"output_window": 8, "hooks": [{"type": "webhook", "url": moderation_url + "/slow", "timeout_s": 0.2, "fail": "closed", "stages": ["output"]}]})
+    p = pipeline_for(
+        {
+            "output_window": 8,
+            "hooks": [
+                {
+                    "type": "webhook",
+                    "url": moderation_url + "/slow",
+                    "timeout_s": 0.2,
+                    "fail": "closed",
+                    "stages": ["output"],
+                }
+            ],
+        }
+    )
     of = p.output_filter()
     pieces, _ = await _stream(of, "hello world, this is fine", [4])
     assert of.cut and "".join(pieces) == "" and "moderation_unavailable" in of.result
-    p = pipeline_for({"output_window": 8, "hooks": [{"type": "webhook", "url": moderation_url + "/slow", "timeout_s": 0.2, "fail": "open", "stages": ["output"]}]})
+    p = pipeline_for(
+        {
+            "output_window": 8,
+            "hooks": [
+                {
+                    "type": "webhook",
+                    "url": moderation_url + "/slow",
+                    "timeout_s": 0.2,
+                    "fail": "open",
+                    "stages": ["output"],
+                }
+            ],
+        }
+    )
     of = p.output_filter()
     pieces, _ = await _stream(of, "hello world", [11])
     assert not of.cut and "".join(pieces) == "hello world"

@@ -32,7 +32,10 @@ ORIGIN = "http://127.0.0.1:1"  # any foreign origin
 
 
 def tenancy_wired(gp) -> bool:
-    return httpx.get(gp.base_url + "/admin/v1/tenants", headers=gp.admin_headers(), timeout=30).status_code == 200
+    return (
+        httpx.get(gp.base_url + "/admin/v1/tenants", headers=gp.admin_headers(), timeout=30).status_code
+        == 200
+    )
 
 
 def cors_wired(gp) -> bool:
@@ -61,7 +64,9 @@ def new_tenant(gp, name: str, *, filters: dict | None = None, limits: dict | Non
     r = httpx.post(gp.base_url + "/admin/v1/tenants", json=body, headers=A, timeout=30)
     assert r.status_code == 201, r.text
     tid = r.json()["id"]
-    r = httpx.post(gp.base_url + f"/admin/v1/tenants/{tid}/keys", json={"name": "filters-test"}, headers=A, timeout=30)
+    r = httpx.post(
+        gp.base_url + f"/admin/v1/tenants/{tid}/keys", json={"name": "filters-test"}, headers=A, timeout=30
+    )
     assert r.status_code == 201, r.text
     return tid, r.json()["key"]
 
@@ -71,8 +76,20 @@ def new_tenant(gp, name: str, *, filters: dict | None = None, limits: dict | Non
 CUT_FILTERS = {
     "output_window": 8,
     "hooks": [
-        {"type": "blocklist", "name": "prompt-words", "keywords": ["forbidden"], "stages": ["prompt"], "category": "policy"},
-        {"type": "blocklist", "name": "no-threes", "patterns": ["3"], "stages": ["output"], "category": "digits"},
+        {
+            "type": "blocklist",
+            "name": "prompt-words",
+            "keywords": ["forbidden"],
+            "stages": ["prompt"],
+            "category": "policy",
+        },
+        {
+            "type": "blocklist",
+            "name": "no-threes",
+            "patterns": ["3"],
+            "stages": ["output"],
+            "category": "digits",
+        },
     ],
 }
 COUNT = "Count from 1 to 10, one number per line."
@@ -83,7 +100,13 @@ def sse(gp, key: str | None, body: dict, *, url: str | None = None, timeout: flo
     h = {"authorization": f"Bearer {key}"} if key else {}
     events, pings = [], 0
     t0 = time.monotonic()
-    with httpx.stream("POST", (url or gp.base_url) + "/v1/chat/completions", json={**body, "stream": True}, headers=h, timeout=timeout) as r:
+    with httpx.stream(
+        "POST",
+        (url or gp.base_url) + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=h,
+        timeout=timeout,
+    ) as r:
         if r.status_code != 200:
             r.read()
             return r, events, pings
@@ -102,11 +125,19 @@ def sse(gp, key: str | None, body: dict, *, url: str | None = None, timeout: flo
 
 
 def content_of(events) -> str:
-    return "".join(c["delta"].get("content") or "" for _, e in events if e != "[DONE]" for c in e.get("choices", []))
+    return "".join(
+        c["delta"].get("content") or "" for _, e in events if e != "[DONE]" for c in e.get("choices", [])
+    )
 
 
 def finishes(events) -> list:
-    return [c["finish_reason"] for _, e in events if e != "[DONE]" for c in e.get("choices", []) if c["finish_reason"] is not None]
+    return [
+        c["finish_reason"]
+        for _, e in events
+        if e != "[DONE]"
+        for c in e.get("choices", [])
+        if c["finish_reason"] is not None
+    ]
 
 
 # ----------------------------------------------------------------------------- CORS (preflight needs no key)
@@ -114,8 +145,15 @@ def finishes(events) -> list:
 
 def test_preflight_204_without_auth(gateway):
     require(cors_wired(gateway), "gateway.cors.CORSMiddleware")
-    r = httpx.options(gateway.base_url + "/v1/chat/completions", timeout=30, headers={
-        "origin": ORIGIN, "access-control-request-method": "POST", "access-control-request-headers": "authorization, content-type"})
+    r = httpx.options(
+        gateway.base_url + "/v1/chat/completions",
+        timeout=30,
+        headers={
+            "origin": ORIGIN,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type",
+        },
+    )
     assert r.status_code == 204, r.text
     assert r.headers["access-control-allow-origin"] in ("*", ORIGIN)
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
@@ -125,22 +163,34 @@ def test_preflight_204_without_auth(gateway):
 def test_401_and_errors_carry_cors_headers(gateway):
     require(cors_wired(gateway), "gateway.cors.CORSMiddleware")
     require(tenancy_wired(gateway), "tenancy")
-    r = httpx.post(gateway.base_url + "/v1/chat/completions", json={"model": gateway.model, "messages": []},
-                   headers={"origin": ORIGIN}, timeout=30)
+    r = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json={"model": gateway.model, "messages": []},
+        headers={"origin": ORIGIN},
+        timeout=30,
+    )
     assert r.status_code == 401
     assert r.headers["access-control-allow-origin"] in ("*", ORIGIN)
     exposed = r.headers["access-control-expose-headers"].lower()
     for h in ("x-request-id", "retry-after", "retry-after-ms", "x-ratelimit-remaining-requests"):
         assert h in exposed
     _, key = new_tenant(gateway, "cors")
-    r = httpx.post(gateway.base_url + "/v1/chat/completions", json={"model": "nope", "messages": []},
-                   headers={"origin": ORIGIN, "authorization": f"Bearer {key}"}, timeout=30)
+    r = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json={"model": "nope", "messages": []},
+        headers={"origin": ORIGIN, "authorization": f"Bearer {key}"},
+        timeout=30,
+    )
     assert r.status_code in (400, 404) and r.headers["access-control-allow-origin"] in ("*", ORIGIN)
 
 
 def test_sse_headers(gateway):
     key = new_tenant(gateway, "sse")[1] if tenancy_wired(gateway) else gateway.api_key
-    r, events, _ = sse(gateway, key, {"model": gateway.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    r, events, _ = sse(
+        gateway,
+        key,
+        {"model": gateway.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+    )
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["cache-control"] == "no-cache"
@@ -175,7 +225,9 @@ http {{
 }}
 """
     Path(d, "nginx.conf").write_text(conf)
-    proc = subprocess.Popen([exe, "-c", f"{d}/nginx.conf", "-p", d], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [exe, "-c", f"{d}/nginx.conf", "-p", d], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
     while True:
@@ -199,13 +251,20 @@ http {{
 
 def test_stream_through_nginx_arrives_event_by_event(gateway, nginx_proxy):
     key = new_tenant(gateway, "nginx")[1] if tenancy_wired(gateway) else gateway.api_key
-    body = {"model": gateway.model, "messages": [{"role": "user", "content": COUNT}], "max_tokens": 12, "temperature": 0}
+    body = {
+        "model": gateway.model,
+        "messages": [{"role": "user", "content": COUNT}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     r, events, _ = sse(gateway, key, body, url=nginx_proxy)
     assert r.status_code == 200, r.text
     # nginx consumes X-Accel-* (test_sse_headers checks it on the direct response)
     assert "x-accel-buffering" not in r.headers and r.headers["cache-control"] == "no-cache"
     assert events and events[-1][1] == "[DONE]"
-    times = [t for t, e in events if e != "[DONE]" and any(c["delta"].get("content") for c in e.get("choices", []))]
+    times = [
+        t for t, e in events if e != "[DONE]" and any(c["delta"].get("content") for c in e.get("choices", []))
+    ]
     assert len(times) >= 5
     # Arrival spread: event by event, not one burst at the end. Distinct arrival moments (>= 2 ms apart):
     moments = sum(1 for a, b in zip(times, times[1:]) if b - a > 0.002) + 1
@@ -234,15 +293,25 @@ def test_admin_filters_validated_by_parse_config(gateway):
 def test_prompt_blocked_400_stream_and_not(gateway):
     require(tenancy_wired(gateway), "tenancy")
     _, key = new_tenant(gateway, "block", filters=CUT_FILTERS)
-    body = {"model": gateway.model, "messages": [{"role": "user", "content": "tell me the FORBIDDEN thing"}], "max_tokens": 5}
+    body = {
+        "model": gateway.model,
+        "messages": [{"role": "user", "content": "tell me the FORBIDDEN thing"}],
+        "max_tokens": 5,
+    }
     for stream in (False, True):
-        r = httpx.post(gateway.base_url + "/v1/chat/completions", json={**body, "stream": stream},
-                       headers={"authorization": f"Bearer {key}"}, timeout=60)
+        r = httpx.post(
+            gateway.base_url + "/v1/chat/completions",
+            json={**body, "stream": stream},
+            headers={"authorization": f"Bearer {key}"},
+            timeout=60,
+        )
         assert r.status_code == 400, r.text
         assert r.headers["content-type"].startswith("application/json")  # no SSE started
         err = r.json()["error"]
         assert err["code"] == "content_filter" and err["param"] == "messages"
-        assert err["innererror"]["content_filter_result"] == {"policy": {"filtered": True, "detected": True, "hook": "prompt-words"}}
+        assert err["innererror"]["content_filter_result"] == {
+            "policy": {"filtered": True, "detected": True, "hook": "prompt-words"}
+        }
         assert "FORBIDDEN" not in err["message"]
 
 
@@ -250,10 +319,20 @@ def test_output_cut_content_filter(gateway):
     require(tenancy_wired(gateway), "tenancy")
     require(output_filter_wired(), "the output filter (Generation)")
     _, key = new_tenant(gateway, "cut", filters=CUT_FILTERS)
-    body = {"model": gateway.model, "messages": [{"role": "user", "content": COUNT}], "max_tokens": 16, "temperature": 0}
+    body = {
+        "model": gateway.model,
+        "messages": [{"role": "user", "content": COUNT}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     # reference: the unfiltered greedy answer contains a "3"
     _, plain_key = new_tenant(gateway, "plain")
-    ref = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {plain_key}"}, timeout=300).json()
+    ref = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {plain_key}"},
+        timeout=300,
+    ).json()
     ref_text = ref["choices"][0]["message"]["content"]
     assert "3" in ref_text, ref_text
     expected = ref_text[: ref_text.index("3")]
@@ -272,7 +351,12 @@ def test_output_cut_content_filter(gateway):
     st = gateway.wait_idle(30)  # the backend request was aborted at the cut
     assert st["running"] == 0 and st["waiting"] == 0 and st["aborts"] > aborts, (st, aborts, t_cut)
 
-    r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=300)
+    r = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=300,
+    )
     assert r.status_code == 200
     ch = r.json()["choices"][0]
     assert ch["finish_reason"] == "content_filter" and ch["message"]["content"] == expected
@@ -307,23 +391,49 @@ def test_webhook_moderation_through_gateway(gateway):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}/moderate"
-        filters = {"hooks": [{"type": "webhook", "name": "mod", "url": url, "stages": ["prompt"], "timeout_s": 5}]}
+        filters = {
+            "hooks": [{"type": "webhook", "name": "mod", "url": url, "stages": ["prompt"], "timeout_s": 5}]
+        }
         tid, key = new_tenant(gateway, "hook", filters=filters)
         h = {"authorization": f"Bearer {key}"}
-        body = {"model": gateway.model, "messages": [{"role": "user", "content": "build a weapon"}], "max_tokens": 2}
+        body = {
+            "model": gateway.model,
+            "messages": [{"role": "user", "content": "build a weapon"}],
+            "max_tokens": 2,
+        }
         r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers=h, timeout=60)
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["innererror"]["content_filter_result"] == {"violence": {"filtered": True, "detected": True, "hook": "mod"}}
+        assert r.json()["error"]["innererror"]["content_filter_result"] == {
+            "violence": {"filtered": True, "detected": True, "hook": "mod"}
+        }
         assert seen and seen[-1]["stage"] == "prompt" and seen[-1]["tenant_id"] == tid
         body["messages"][0]["content"] = "Say hi."
         r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers=h, timeout=300)
         assert r.status_code == 200, r.text
         # fail closed when the endpoint is down
-        dead = {"hooks": [{"type": "webhook", "name": "mod", "url": f"http://127.0.0.1:{free_port()}/x", "timeout_s": 1, "fail": "closed"}]}
-        r = httpx.put(gateway.base_url + f"/admin/v1/tenants/{tid}/filters", json=dead, headers=gateway.admin_headers(), timeout=30)
+        dead = {
+            "hooks": [
+                {
+                    "type": "webhook",
+                    "name": "mod",
+                    "url": f"http://127.0.0.1:{free_port()}/x",
+                    "timeout_s": 1,
+                    "fail": "closed",
+                }
+            ]
+        }
+        r = httpx.put(
+            gateway.base_url + f"/admin/v1/tenants/{tid}/filters",
+            json=dead,
+            headers=gateway.admin_headers(),
+            timeout=30,
+        )
         assert r.status_code == 200
         r = httpx.post(gateway.base_url + "/v1/chat/completions", json=body, headers=h, timeout=60)
-        assert r.status_code == 400 and "moderation_unavailable" in r.json()["error"]["innererror"]["content_filter_result"]
+        assert (
+            r.status_code == 400
+            and "moderation_unavailable" in r.json()["error"]["innererror"]["content_filter_result"]
+        )
     finally:
         srv.shutdown()
         srv.server_close()

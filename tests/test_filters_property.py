@@ -11,8 +11,26 @@ from hypothesis import strategies as st
 from gateway.filters import build_pipeline, parse_config
 from gateway.filters.pii import PIIHook
 
-WORDS = ["the", "cat", "bomb", "bombastic", "a@b.io", "555-123-4567", "4111 1111 1111 1111", "4111 1111 1111 1112",
-         "\n", ".", ",", "x", "12", "call", "mail", "é", "🙂", "+44 20 7946 0958"]
+WORDS = [
+    "the",
+    "cat",
+    "bomb",
+    "bombastic",
+    "a@b.io",
+    "555-123-4567",
+    "4111 1111 1111 1111",
+    "4111 1111 1111 1112",
+    "\n",
+    ".",
+    ",",
+    "x",
+    "12",
+    "call",
+    "mail",
+    "é",
+    "🙂",
+    "+44 20 7946 0958",
+]
 
 texts = st.lists(st.sampled_from(WORDS), min_size=0, max_size=40).map(" ".join)
 cuts = st.lists(st.integers(1, 12), min_size=1, max_size=6)
@@ -37,13 +55,17 @@ def run(pipe, text, sizes):
 @settings(max_examples=150, deadline=None)
 @given(text=texts, sizes=cuts, window=st.integers(0, 80))
 def test_blocklist_stream_invariants(text, sizes, window):
-    pipe = build_pipeline(parse_config({"output_window": window, "hooks": [{"type": "blocklist", "keywords": ["bomb"]}]}))
+    pipe = build_pipeline(
+        parse_config({"output_window": window, "hooks": [{"type": "blocklist", "keywords": ["bomb"]}]})
+    )
     sent, of, max_held = run(pipe, text, sizes)
     assert max_held <= window
     assert text.startswith(sent)
     m = re.search(r"(?<!\w)bomb(?!\w)", text, re.IGNORECASE)
     if m is None:
-        if window < len("bomb") and of.cut:  # too short a window: fails safe on a prefix ("bomb" of "bombastic")
+        if (
+            window < len("bomb") and of.cut
+        ):  # too short a window: fails safe on a prefix ("bomb" of "bombastic")
             assert "bomb" in text.lower()
         else:
             assert not of.cut and sent == text

@@ -25,7 +25,9 @@ def test_stop_string_in_one_choice_stops_it_in_the_backend(gateway):
     msgs = [{"role": "user", "content": "Tell me a long story about a dragon, a knight and a baker."}]
     word = None
     for seed in range(1, 12):
-        body = chat_body(gateway, messages=msgs, n=2, temperature=1.0, seed=seed, max_tokens=MAX, ignore_eos=True)
+        body = chat_body(
+            gateway, messages=msgs, n=2, temperature=1.0, seed=seed, max_tokens=MAX, ignore_eos=True
+        )
         r = post_json(gateway, "/v1/chat/completions", body)
         assert r.status_code == 200, r.text
         texts = [c["message"]["content"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]

@@ -63,8 +63,10 @@ def test_disconnect_aborts_streaming_request(gateway):
 def test_disconnect_aborts_non_streaming_request(gateway):
     base = gateway.wait_idle(120)
     payload = json.dumps(chat_body(gateway, LONG, max_tokens=2000, temperature=0)).encode()
-    req = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-           f"Authorization: Bearer {gateway.api_key}\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+    req = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {gateway.api_key}\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
     s = socket.create_connection(("127.0.0.1", gateway.port))
     s.sendall(req)
     deadline = time.monotonic() + 120
@@ -81,13 +83,28 @@ def test_disconnect_aborts_non_streaming_request(gateway):
 
 @pytest.mark.timeout(900)
 async def test_64_concurrent_streams(gateway):
-    prompts = ["Hi.", "Name a color.", "What is 2+2?", "Say something nice.", "Tell me a fact about the moon, please.",
-               "Count to three.", "Write one word.", "Describe the sea " * 5]
+    prompts = [
+        "Hi.",
+        "Name a color.",
+        "What is 2+2?",
+        "Say something nice.",
+        "Tell me a fact about the moon, please.",
+        "Count to three.",
+        "Write one word.",
+        "Describe the sea " * 5,
+    ]
     results: list = [None] * 64
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
-        body = chat_body(gateway, prompts[i % len(prompts)], max_tokens=6, temperature=0.7, seed=i, stream=True,
-                         stream_options={"include_usage": True})
+        body = chat_body(
+            gateway,
+            prompts[i % len(prompts)],
+            max_tokens=6,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         events, done = [], False
         async with client.stream("POST", gateway.base_url + CHAT, json=body, headers=gateway.headers()) as r:
             assert r.status_code == 200, await r.aread()
@@ -136,8 +153,12 @@ def test_backend_crash_mid_stream_then_recovery(make_gateway):
 
     events, done, raw_tail = [], False, ""
     with httpx.Client(timeout=300) as client:
-        with client.stream("POST", gw.base_url + CHAT, json=chat_body(gw, LONG, max_tokens=2000, temperature=0, stream=True),
-                           headers=gw.headers()) as r:
+        with client.stream(
+            "POST",
+            gw.base_url + CHAT,
+            json=chat_body(gw, LONG, max_tokens=2000, temperature=0, stream=True),
+            headers=gw.headers(),
+        ) as r:
             assert r.status_code == 200
             t = threading.Thread(target=nonstream)
             killed = False
@@ -158,7 +179,11 @@ def test_backend_crash_mid_stream_then_recovery(make_gateway):
     t.join(120)
     assert done
     err = events[-1]
-    assert "error" in err and err["error"]["type"] == "server_error" and err["error"]["code"] == "backend_unavailable"
+    assert (
+        "error" in err
+        and err["error"]["type"] == "server_error"
+        and err["error"]["code"] == "backend_unavailable"
+    )
     assert all("choices" in e for e in events[:-1])
     assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "backend_unavailable"
     # recovery: the next request waits for the restarted backend (--backend-wait) and succeeds
@@ -168,7 +193,11 @@ def test_backend_crash_mid_stream_then_recovery(make_gateway):
     assert st["backends"][0]["restarts"] == 1 and st["backends"][0]["pid"] != pid
     # graceful shutdown: an in-flight stream completes, then the process exits 0
     out: dict = {}
-    th = threading.Thread(target=lambda: out.setdefault("res", stream_post(gw, CHAT, chat_body(gw, "Count to five.", max_tokens=6, temperature=0))))
+    th = threading.Thread(
+        target=lambda: out.setdefault(
+            "res", stream_post(gw, CHAT, chat_body(gw, "Count to five.", max_tokens=6, temperature=0))
+        )
+    )
     th.start()
     deadline = time.monotonic() + 60
     while gw.stats()["running"] < 1:
@@ -176,5 +205,7 @@ def test_backend_crash_mid_stream_then_recovery(make_gateway):
         time.sleep(0.02)
     gw.proc.send_signal(signal.SIGTERM)
     th.join(120)
-    assert out["res"].status == 200 and out["res"].done and out["res"].finish_reasons()[-1] in ("stop", "length")
+    assert (
+        out["res"].status == 200 and out["res"].done and out["res"].finish_reasons()[-1] in ("stop", "length")
+    )
     assert gw.proc.wait(60) == 0

@@ -67,10 +67,18 @@ def test_models_retrieve_unknown_is_404(gateway, model_id):
     with pytest.raises(openai.NotFoundError) as ei:
         gateway.openai().models.retrieve(model_id)
     err = ei.value.body
-    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "model", "model_not_found"), err
+    assert (err["type"], err["param"], err["code"]) == (
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    ), err
     assert err["message"].startswith(f"The model '{model_id}' does not exist"), err
-    chat = httpx.post(gateway.base_url + "/v1/chat/completions", headers=gateway.headers(), timeout=30,
-                      json={"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    chat = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        headers=gateway.headers(),
+        timeout=30,
+        json={"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    )
     assert chat.status_code == 404 and chat.json()["error"] == err
 
 
@@ -81,7 +89,9 @@ def test_models_retrieve_needs_a_key(gateway):
             assert r.status_code == 401, (h, mid, r.status_code)
             assert r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="sk-gw-not-a-key", max_retries=0).models.retrieve(gateway.model)
+        openai.OpenAI(
+            base_url=gateway.base_url + "/v1", api_key="sk-gw-not-a-key", max_retries=0
+        ).models.retrieve(gateway.model)
 
 
 def test_probe_paths_classification():
@@ -89,9 +99,21 @@ def test_probe_paths_classification():
     for p in ("/health", "/healthz", "/readyz", "/api/version"):
         assert classify_path(p) == "public", p
         assert classify_path(p, "HEAD") == "public", p
-    for p in ("/v1/models/x", "/v1/models/org/model", "/v1/models", "/health/", "/health/x", "/Health",
-              "/health/../v1/models", "/api/version/../v1/models", "/api/version/", "/api/tags",
-              "/v1/models/../../health", "/health//", "//health"):
+    for p in (
+        "/v1/models/x",
+        "/v1/models/org/model",
+        "/v1/models",
+        "/health/",
+        "/health/x",
+        "/Health",
+        "/health/../v1/models",
+        "/api/version/../v1/models",
+        "/api/version/",
+        "/api/tags",
+        "/v1/models/../../health",
+        "/health//",
+        "//health",
+    ):
         assert classify_path(p) == "tenant", p
     for p in ("/health/../admin", "/health/../admin/v1/stats", "/api/version/../../admin/v1/tenants"):
         assert classify_path(p) == "admin", p
@@ -131,8 +153,10 @@ async def test_models_retrieve_ids_with_slash_and_dots():
     decodes it, and the ``{model_id:path}`` route matches it whole (the real handlers, in process)."""
     card = ModelCard(name="SmolLM2.Q4_1", context_length=128, vocab_size=10)
     gw = Gateway(GatewayConfig(served_model_names=["org/model-1.5"]), SimpleNamespace(card=card), None, None)
-    app = Starlette(routes=[Route("/v1/models", list_models), Route("/v1/models/{model_id:path}", retrieve_model)],
-                    exception_handlers={APIError: _api_error})
+    app = Starlette(
+        routes=[Route("/v1/models", list_models), Route("/v1/models/{model_id:path}", retrieve_model)],
+        exception_handlers={APIError: _api_error},
+    )
     app.state.gateway = gw
     cfg = Config()
     cfg.bind = [f"127.0.0.1:{_free_port()}"]

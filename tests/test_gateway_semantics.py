@@ -44,10 +44,19 @@ def test_stream_equals_nonstream_and_fixture_greedy(gateway, chat_fixtures):
     never produce U+FFFD in a delta. Fixtures: each fixture prompt reproduces greedy_text (max_tokens 64)."""
     cats = chat_body(gateway, "Write two sentences about cats.", max_tokens=64, temperature=0)
     uni = chat_body(gateway, "Repeat exactly: Xin chào 你好 🙂👍🏽", max_tokens=32, temperature=0)
-    calls = [lambda: stream_post(gateway, CHAT, cats), lambda: _nonstream(gateway, cats),
-             lambda: stream_post(gateway, CHAT, uni), lambda: _nonstream(gateway, uni)]
+    calls = [
+        lambda: stream_post(gateway, CHAT, cats),
+        lambda: _nonstream(gateway, cats),
+        lambda: stream_post(gateway, CHAT, uni),
+        lambda: _nonstream(gateway, uni),
+    ]
     for fx in chat_fixtures:
-        calls.append(lambda fx=fx: _nonstream(gateway, {"model": gateway.model, "messages": fx["messages"], "max_tokens": 64, "temperature": 0}))
+        calls.append(
+            lambda fx=fx: _nonstream(
+                gateway,
+                {"model": gateway.model, "messages": fx["messages"], "max_tokens": 64, "temperature": 0},
+            )
+        )
     s_cats, n_cats, s_uni, n_uni, *fixtures = _parallel(*calls)
     assert s_cats.done and s_cats.content() == _content(n_cats)
     assert len(_content(n_cats)) > 20
@@ -76,8 +85,10 @@ def test_stop_strings_held_back_and_matched_across_tokens(gateway):
     alpha = "Continue the alphabet after ABC"
     rep = "Repeat exactly: alpha beta gamma delta"
     # Greedy references without stops (same max_tokens as below so that the batch is alike).
-    ref_a, ref_r = _parallel(lambda: _nonstream(gateway, chat_body(gateway, alpha, max_tokens=24, temperature=0)),
-                             lambda: _nonstream(gateway, chat_body(gateway, rep, max_tokens=24, temperature=0)))
+    ref_a, ref_r = _parallel(
+        lambda: _nonstream(gateway, chat_body(gateway, alpha, max_tokens=24, temperature=0)),
+        lambda: _nonstream(gateway, chat_body(gateway, rep, max_tokens=24, temperature=0)),
+    )
     text_a, text_r = _content(ref_a), _content(ref_r)
     # A multi-token stop string taken from the middle of the greedy text (the literal "DEFGHIJ" is
     # absent from this model's answer, whose letters are comma-separated: "D, E, F").
@@ -88,7 +99,11 @@ def test_stop_strings_held_back_and_matched_across_tokens(gateway):
         (alpha, {"stop": ["DEFGHIJ", stop_a]}, text_a[:i]),
         (rep, {"stop": ["beta gamma"]}, text_r[: text_r.index("beta gamma")]),
         (rep, {"stop": "beta gamma"}, text_r[: text_r.index("beta gamma")]),
-        (rep, {"stop": ["beta gamma"], "include_stop_str_in_output": True}, text_r[: text_r.index("beta gamma") + len("beta gamma")]),
+        (
+            rep,
+            {"stop": ["beta gamma"], "include_stop_str_in_output": True},
+            text_r[: text_r.index("beta gamma") + len("beta gamma")],
+        ),
     ]
     calls = []
     for prompt, kw, _ in cases:
@@ -114,8 +129,14 @@ def test_stop_strings_held_back_and_matched_across_tokens(gateway):
 
 def test_finish_reason_length_and_stop_wins_on_last_token(gateway):
     # (a) length, with exactly max_tokens completion tokens; EOS gives "stop"
-    a, eos = _parallel(lambda: _nonstream(gateway, chat_body(gateway, "Explain gravity in detail.", max_tokens=3, temperature=0)),
-                       lambda: _nonstream(gateway, chat_body(gateway, "What is the capital of France?", max_tokens=32, temperature=0)))
+    a, eos = _parallel(
+        lambda: _nonstream(
+            gateway, chat_body(gateway, "Explain gravity in detail.", max_tokens=3, temperature=0)
+        ),
+        lambda: _nonstream(
+            gateway, chat_body(gateway, "What is the capital of France?", max_tokens=32, temperature=0)
+        ),
+    )
     assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == 3
     assert eos["choices"][0]["finish_reason"] == "stop" and eos["usage"]["completion_tokens"] < 32
     # (b) a stop string that completes on the last allowed token: "stop" wins over "length"
@@ -128,9 +149,20 @@ def test_finish_reason_length_and_stop_wins_on_last_token(gateway):
     while prefix[-k:] in prefix[:-1] or len(prefix[-k:].strip()) < 2:
         k += 1
     stop = prefix[-k:]
-    assert len(b"".join(toks[: n - 1]).decode(errors="ignore")) < len(prefix) - k + len(stop)  # completes at token n
-    b_stream, b_plain = _parallel(lambda: stream_post(gateway, CHAT, chat_body(gateway, "Explain gravity in detail.", max_tokens=n, temperature=0, stop=[stop])),
-                                  lambda: _nonstream(gateway, chat_body(gateway, "Explain gravity in detail.", max_tokens=n, temperature=0, stop=[stop])))
+    assert len(b"".join(toks[: n - 1]).decode(errors="ignore")) < len(prefix) - k + len(
+        stop
+    )  # completes at token n
+    b_stream, b_plain = _parallel(
+        lambda: stream_post(
+            gateway,
+            CHAT,
+            chat_body(gateway, "Explain gravity in detail.", max_tokens=n, temperature=0, stop=[stop]),
+        ),
+        lambda: _nonstream(
+            gateway,
+            chat_body(gateway, "Explain gravity in detail.", max_tokens=n, temperature=0, stop=[stop]),
+        ),
+    )
     assert b_plain["choices"][0]["finish_reason"] == "stop", (stop, b_plain)
     assert _content(b_plain) == prefix[:-k]
     assert b_stream.finish_reasons()[-1] == "stop" and b_stream.content() == prefix[:-k]
@@ -160,7 +192,14 @@ def _check_chunk_sequence(res, n):
 
 
 def test_chunk_finish_reason_and_choice_index_n2(gateway):
-    body = chat_body(gateway, "Tell me a short story.", n=2, temperature=0.8, max_tokens=5, stream_options={"include_usage": True})
+    body = chat_body(
+        gateway,
+        "Tell me a short story.",
+        n=2,
+        temperature=0.8,
+        max_tokens=5,
+        stream_options={"include_usage": True},
+    )
     plain = dict(body)
     plain.pop("stream_options")
     res, d = _parallel(lambda: stream_post(gateway, CHAT, body), lambda: _nonstream(gateway, plain))
@@ -169,11 +208,19 @@ def test_chunk_finish_reason_and_choice_index_n2(gateway):
     assert res.events[-1]["choices"] == []
     assert usage["completion_tokens"] == 10  # 2 choices x 5 tokens (no EOS that early at T=0.8 is likely)
     assert len(d["choices"]) == 2 and [c["index"] for c in d["choices"]] == [0, 1]
-    assert d["usage"]["completion_tokens"] == sum(1 for _ in range(2)) * 5 or d["usage"]["completion_tokens"] <= 10
+    assert (
+        d["usage"]["completion_tokens"] == sum(1 for _ in range(2)) * 5
+        or d["usage"]["completion_tokens"] <= 10
+    )
     # the official client parses the stream
     client = gateway.openai()
-    stream = client.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=gateway.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+    )
     chunks = list(stream)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
@@ -183,23 +230,63 @@ def test_chunk_finish_reason_and_choice_index_n2(gateway):
 
 
 def test_same_role_twice_text_parts_and_assistant_prefill(gateway):
-    sys_uu = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Capital of Ontario?"},
-              {"role": "user", "content": "And its history?"}]
-    aa = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "assistant", "content": "How can I help?"},
-          {"role": "user", "content": "Say ok."}]
-    parts = [{"role": "user", "content": [{"type": "text", "text": "My name is Zed."}, {"type": "text", "text": "What is my name?"}]}]
+    sys_uu = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "Capital of Ontario?"},
+        {"role": "user", "content": "And its history?"},
+    ]
+    aa = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "assistant", "content": "How can I help?"},
+        {"role": "user", "content": "Say ok."},
+    ]
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "My name is Zed."},
+                {"type": "text", "text": "What is my name?"},
+            ],
+        }
+    ]
     joined = [{"role": "user", "content": "My name is Zed.\nWhat is my name?"}]
     fruit = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit is"}]
-    r = _parallel(*[lambda m=m, kw=kw: post_json(gateway, CHAT, chat_body(gateway, messages=m, max_tokens=4, temperature=0, **kw))
-                    for m, kw in [(sys_uu, {}), (aa, {}), (parts, {}), (joined, {}),
-                                  (fruit, {"continue_final_message": True, "add_generation_prompt": False})]])
+    r = _parallel(
+        *[
+            lambda m=m, kw=kw: post_json(
+                gateway, CHAT, chat_body(gateway, messages=m, max_tokens=4, temperature=0, **kw)
+            )
+            for m, kw in [
+                (sys_uu, {}),
+                (aa, {}),
+                (parts, {}),
+                (joined, {}),
+                (fruit, {"continue_final_message": True, "add_generation_prompt": False}),
+            ]
+        ]
+    )
     for x in r:
         assert x.status_code == 200, x.text
     # text parts: all parts reach the prompt, joined by "\n" (same prompt and output as the joined string)
     assert r[2].json()["usage"]["prompt_tokens"] == r[3].json()["usage"]["prompt_tokens"]
     assert _content(r[2].json()) == _content(r[3].json())
-    bad = post_json(gateway, CHAT, chat_body(gateway, messages=[{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]))
+    bad = post_json(
+        gateway,
+        CHAT,
+        chat_body(
+            gateway,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                    ],
+                }
+            ],
+        ),
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[1].type"
     assert bad.json()["error"]["type"] == "invalid_request_error"
     # assistant prefill: the prompt ends with "The fruit is" (no end marker, no new header): same as a raw completion of that text
@@ -209,10 +296,18 @@ def test_same_role_twice_text_parts_and_assistant_prefill(gateway):
     tok = cached_tokenizer(default_model_path())
     prompt = ChatTemplate(tok).render(fruit, add_generation_prompt=False, continue_final_message=True)
     assert prompt.text.endswith("The fruit is")
-    raw = post_json(gateway, "/v1/completions", {"model": gateway.model, "prompt": prompt.ids, "max_tokens": 4, "temperature": 0}).json()
+    raw = post_json(
+        gateway,
+        "/v1/completions",
+        {"model": gateway.model, "prompt": prompt.ids, "max_tokens": 4, "temperature": 0},
+    ).json()
     assert raw["choices"][0]["text"] == _content(r[4].json())
     assert r[4].json()["usage"]["prompt_tokens"] == len(prompt.ids)
-    both = post_json(gateway, CHAT, chat_body(gateway, messages=fruit, continue_final_message=True, add_generation_prompt=True))
+    both = post_json(
+        gateway,
+        CHAT,
+        chat_body(gateway, messages=fruit, continue_final_message=True, add_generation_prompt=True),
+    )
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
 
 
@@ -227,29 +322,45 @@ def test_greedy_output_independent_of_batch(gateway):
         return [tuple(t["bytes"]) for t in d["choices"][0]["logprobs"]["content"]]
 
     alone = ids(_nonstream(gateway, body))
-    others = ["Hi.", "Write a haiku about the sea and the wind and the sky.", "What is 2+2?", "Name a city in France.",
-              "Explain photosynthesis to a child in a few words, please.", "Count to five.", "Describe a cat " * 10]
+    others = [
+        "Hi.",
+        "Write a haiku about the sea and the wind and the sky.",
+        "What is 2+2?",
+        "Name a city in France.",
+        "Explain photosynthesis to a child in a few words, please.",
+        "Count to five.",
+        "Describe a cat " * 10,
+    ]
     for _ in range(3):
-        res = _parallel(lambda: _nonstream(gateway, body),
-                        *[lambda p=p: _nonstream(gateway, chat_body(gateway, p, max_tokens=16, temperature=0)) for p in others])
+        res = _parallel(
+            lambda: _nonstream(gateway, body),
+            *[
+                lambda p=p: _nonstream(gateway, chat_body(gateway, p, max_tokens=16, temperature=0))
+                for p in others
+            ],
+        )
         assert ids(res[0]) == alone
 
 
 def test_seeds_unseeded_differ_seeded_repeat_choices_differ(gateway):
     base = dict(max_tokens=12, temperature=0.8)
     p = "Write a creative name for a pet."
-    res = _parallel(*[lambda: _nonstream(gateway, chat_body(gateway, p, **base)) for _ in range(3)],
-                    lambda: _nonstream(gateway, chat_body(gateway, p, seed=7, n=3, **base)),
-                    lambda: _nonstream(gateway, chat_body(gateway, p, seed=7, n=3, **base)),
-                    lambda: _nonstream(gateway, chat_body(gateway, p, seed=-2, **base)),
-                    lambda: _nonstream(gateway, chat_body(gateway, p, seed=-2, **base)))
+    res = _parallel(
+        *[lambda: _nonstream(gateway, chat_body(gateway, p, **base)) for _ in range(3)],
+        lambda: _nonstream(gateway, chat_body(gateway, p, seed=7, n=3, **base)),
+        lambda: _nonstream(gateway, chat_body(gateway, p, seed=7, n=3, **base)),
+        lambda: _nonstream(gateway, chat_body(gateway, p, seed=-2, **base)),
+        lambda: _nonstream(gateway, chat_body(gateway, p, seed=-2, **base)),
+    )
     unseeded = [_content(d) for d in res[:3]]
     assert len(set(unseeded)) > 1, unseeded
     s1 = [c["message"]["content"] for c in res[3]["choices"]]
     s2 = [c["message"]["content"] for c in res[4]["choices"]]
     assert s1 == s2
     assert len(set(s1)) > 1, s1  # the n=3 choices differ from each other
-    assert _content(res[5]) == _content(res[6])  # negative seeds are valid and deterministic (docs/gateway.md)
+    assert _content(res[5]) == _content(
+        res[6]
+    )  # negative seeds are valid and deterministic (docs/gateway.md)
 
 
 # ----------------------------------------------------------------------------- rejected before scheduling
@@ -278,7 +389,11 @@ def test_context_length_exceeded_is_400_before_any_stream(gateway):
             status, raw, ctype = r.status_code, r.content, r.headers["content-type"]
         assert status == 400 and ctype.startswith("application/json")
         err = json.loads(raw)["error"]
-        assert err["code"] == "context_length_exceeded" and err["param"] == "messages" and err["type"] == "invalid_request_error"
+        assert (
+            err["code"] == "context_length_exceeded"
+            and err["param"] == "messages"
+            and err["type"] == "invalid_request_error"
+        )
     # a max_tokens that does not fit: 400 naming max_tokens (never clamped; docs/gateway.md)
     for stream in (False, True):
         body = chat_body(gateway, "hi", max_tokens=100000)

@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_importing_never_imports_cupy() -> None:
-    code = ("import sys, kernels_cupy, kernels_cupy.attention, kernels_cupy.compile, backend.model_runner;"
-            "from kernels_cupy.attention import CupyAttention; CupyAttention();"
-            "assert 'cupy' not in sys.modules and 'cupy_backends' not in sys.modules, 'cupy imported'")
+    code = (
+        "import sys, kernels_cupy, kernels_cupy.attention, kernels_cupy.compile, backend.model_runner;"
+        "from kernels_cupy.attention import CupyAttention; CupyAttention();"
+        "assert 'cupy' not in sys.modules and 'cupy_backends' not in sys.modules, 'cupy imported'"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
@@ -44,7 +46,12 @@ def test_cpu_tensors_rejected_without_cupy() -> None:
 
 def test_kernel_config_validation() -> None:
     assert "-DGQA=3" in KernelConfig("float16", 64, 16, 3).defines()
-    for bad in (("float32", 64, 16, 1), ("float16", 96, 16, 1), ("float16", 64, 16, 9), ("float16", 64, 0, 1)):
+    for bad in (
+        ("float32", 64, 16, 1),
+        ("float16", 96, 16, 1),
+        ("float16", 64, 16, 9),
+        ("float16", 64, 0, 1),
+    ):
         with pytest.raises(ValueError):
             KernelConfig(*bad)
 
@@ -85,8 +92,14 @@ def test_prefill_tiles_cover_each_row_once() -> None:
 def test_gpu_check_without_gpu_says_so() -> None:
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("OUT", None)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "no CUDA GPU" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout

@@ -22,13 +22,23 @@ sys.path.pop(0)
 
 from kernels_cupy.emu import EmuAttention, usable_compiler  # noqa: E402
 
-pytestmark = pytest.mark.skipif(usable_compiler() is None, reason="no C++20 compiler (<barrier>, _Float16) for the CUDA emulator")
+pytestmark = pytest.mark.skipif(
+    usable_compiler() is None, reason="no C++20 compiler (<barrier>, _Float16) for the CUDA emulator"
+)
 
 CASES = [
     # dtype, head_dim, gqa, kv_heads, block_size, seqs (cached, new), tuning
     ("bfloat16", 64, 3, 2, 16, [(0, 1), (16, 1), (200, 1), (0, 5), (30, 40)], {}),
     ("float16", 128, 8, 1, 8, [(63, 1), (3, 1), (0, 70)], {}),
-    ("bfloat16", 128, 1, 3, 32, [(150, 1), (1, 1), (40, 1)], {"decode_warps": 8, "k_unroll": 1, "v_unroll": 2}),
+    (
+        "bfloat16",
+        128,
+        1,
+        3,
+        32,
+        [(150, 1), (1, 1), (40, 1)],
+        {"decode_warps": 8, "k_unroll": 1, "v_unroll": 2},
+    ),
     ("float16", 64, 1, 2, 16, [(10, 1), (62, 1), (5, 1)], {}),  # one partition: direct write
     ("bfloat16", 128, 3, 1, 16, [(0, 9), (100, 33)], {"decode_warps": 2}),  # prefill only
 ]
@@ -46,7 +56,7 @@ def test_kernels_on_emulator(case) -> None:
 
     # write_kv with some rows skipped (slot -1): bit-exact against index assignment
     skip = torch.zeros(q.shape[0], dtype=torch.bool)
-    skip[:: 3] = True
+    skip[::3] = True
     meta_skip = dataclasses.replace(meta, slot_mapping=torch.where(skip, -1, meta.slot_mapping))
     kc2, vc2 = kc.clone(), vc.clone()
     attn.write_kv(k, v, kc2, vc2, meta_skip)

@@ -19,13 +19,17 @@ def _nvrtc():
 
         nvrtc.getVersion()  # loads libnvrtc
     except Exception as e:  # noqa: BLE001
-        pytest.skip(f"CuPy NVRTC binding unavailable ({type(e).__name__}: {e}); install cupy-cuda13x + nvidia-cuda-nvrtc")
+        pytest.skip(
+            f"CuPy NVRTC binding unavailable ({type(e).__name__}: {e}); install cupy-cuda13x + nvidia-cuda-nvrtc"
+        )
     return nvrtc
 
 
 # every specialisation (dtype x head dim x group size) for sm_90 (the H200); every other one for sm_80 (each
 # dtype, head dim and group size still appears there), to keep the CPU suite fast
-CONFIGS = [KernelConfig(dt, hd, 16, g) for dt in ("float16", "bfloat16") for hd in (64, 128) for g in (1, 3, 8)]
+CONFIGS = [
+    KernelConfig(dt, hd, 16, g) for dt in ("float16", "bfloat16") for hd in (64, 128) for g in (1, 3, 8)
+]
 ARCH_CONFIGS = {"sm_90": CONFIGS, "sm_80": CONFIGS[::2]}
 
 
@@ -52,7 +56,9 @@ def test_every_kernel_compiles(arch: str) -> None:
             assert name.encode() in cubin, f"{cfg} {arch}: kernel {name} missing"
         # the decode kernel must keep its per-lane arrays (q, K/V vectors, accumulators) in registers: a spilled
         # array costs hundreds of bytes of local memory; ptxas may spill a word or two in the epilogue
-        m = re.search(r"Compiling entry function 'paged_decode' for '%s'.*?(\d+) bytes stack frame" % arch, log, re.S)
+        m = re.search(
+            r"Compiling entry function 'paged_decode' for '%s'.*?(\d+) bytes stack frame" % arch, log, re.S
+        )
         assert m is not None, log
         assert int(m.group(1)) <= 16, f"{cfg} {arch}: paged_decode uses local memory\n{log}"
 

@@ -21,8 +21,20 @@ from backend.model_runner import ModelRunner
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def write_random_llama(path, *, vocab=1000, hidden=256, inter=512, layers=4, heads=8, kv_heads=2, seed=0,
-                       dtype=torch.float32, tie=True, std=0.05) -> None:
+def write_random_llama(
+    path,
+    *,
+    vocab=1000,
+    hidden=256,
+    inter=512,
+    layers=4,
+    heads=8,
+    kv_heads=2,
+    seed=0,
+    dtype=torch.float32,
+    tie=True,
+    std=0.05,
+) -> None:
     """Write a random LlamaForCausalLM directory (config.json + model.safetensors) at ``path``."""
     g = torch.Generator().manual_seed(seed)
     hd = hidden // heads
@@ -30,7 +42,10 @@ def write_random_llama(path, *, vocab=1000, hidden=256, inter=512, layers=4, hea
     def r(*shape, base=0.0):
         return (base + torch.randn(*shape, generator=g) * std).to(dtype)
 
-    t = {"model.embed_tokens.weight": r(vocab, hidden, base=0.0) * 20, "model.norm.weight": r(hidden, base=1.0)}
+    t = {
+        "model.embed_tokens.weight": r(vocab, hidden, base=0.0) * 20,
+        "model.norm.weight": r(hidden, base=1.0),
+    }
     if not tie:
         t["lm_head.weight"] = r(vocab, hidden)
     for i in range(layers):
@@ -45,13 +60,26 @@ def write_random_llama(path, *, vocab=1000, hidden=256, inter=512, layers=4, hea
         t[p + "mlp.up_proj.weight"] = r(inter, hidden)
         t[p + "mlp.down_proj.weight"] = r(hidden, inter)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-        "max_position_embeddings": 4096, "tie_word_embeddings": tie, "eos_token_id": 2, "bos_token_id": 1,
-        "torch_dtype": str(dtype).replace("torch.", ""),
-    }))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 100000.0,
+                "max_position_embeddings": 4096,
+                "tie_word_embeddings": tie,
+                "eos_token_id": 2,
+                "bos_token_id": 1,
+                "torch_dtype": str(dtype).replace("torch.", ""),
+            }
+        )
+    )
     save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
 
 

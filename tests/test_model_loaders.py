@@ -118,19 +118,42 @@ def test_tiny_gguf_with_output_and_llama3_rope(tmp_path) -> None:
         "original_max_position_embeddings": 64,
     }
     cfg = LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, rms_norm_eps=1e-6, rope_theta=500000.0, context_length=512, rope_scaling=scaling,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        context_length=512,
+        rope_scaling=scaling,
     )
     t = _tiny_weights(cfg)
     # HF directory
     hf_dir = tmp_path / "tiny-hf"
     hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "rope_theta": 500000.0, "rope_scaling": scaling, "max_position_embeddings": 512,
-        "tie_word_embeddings": False, "eos_token_id": [5, 6], "bos_token_id": 4,
-    }))
+    (hf_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 97,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 500000.0,
+                "rope_scaling": scaling,
+                "max_position_embeddings": 512,
+                "tie_word_embeddings": False,
+                "eos_token_id": [5, 6],
+                "bos_token_id": 4,
+            }
+        )
+    )
     save_file(t, str(hf_dir / "model.safetensors"))
     # GGUF file, as llama.cpp's converter writes it
     plain = LlamaConfig(**{**cfg.__dict__, "rope_scaling": None})

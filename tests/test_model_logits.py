@@ -56,7 +56,13 @@ def test_card(runner: ModelRunner) -> None:
     assert (card.dtype, card.device, card.attention_backend) == ("float32", "cpu", "torch")
     assert runner.num_kv_blocks == NUM_BLOCKS and runner.block_size == BS
     cfg = runner.config
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
 
 
@@ -148,8 +154,9 @@ def test_mixed_batch_equals_alone(runner: ModelRunner, chat_fixtures: list[dict]
 
 
 @pytest.mark.parametrize("which", ["fp32", "bf16"])
-def test_fused_cpu_ops_match_torch_ops(which, runner: ModelRunner, runner_bf16_dense: ModelRunner,
-                                       chat_fixtures: list[dict]) -> None:
+def test_fused_cpu_ops_match_torch_ops(
+    which, runner: ModelRunner, runner_bf16_dense: ModelRunner, chat_fixtures: list[dict]
+) -> None:
     """The C++ fused layer ops (``backend.cpu_kernels``) and the plain torch ops give the same logits:
     a chunked prefill (two chunks, so RoPE, the KV write and attention see cached context), then 3
     batched decode steps."""
@@ -164,7 +171,10 @@ def test_fused_cpu_ops_match_torch_ops(which, runner: ModelRunner, runner_bf16_d
         for mode in ("fused", "torch"):
             r.model.cpu_kernels = kern if mode == "fused" else None
             bt = list(range(-(-(n + 4) // BS)))
-            out = [r.execute([SeqChunk(ids[:20], 0, bt, True)]), r.execute([SeqChunk(ids[20:], 20, bt, True)])]
+            out = [
+                r.execute([SeqChunk(ids[:20], 0, bt, True)]),
+                r.execute([SeqChunk(ids[20:], 20, bt, True)]),
+            ]
             tok = int(out[-1][0].argmax())
             for step in range(3):
                 out.append(r.execute([SeqChunk([tok], n + step, bt, True)]))
@@ -179,7 +189,9 @@ def test_fused_cpu_ops_match_torch_ops(which, runner: ModelRunner, runner_bf16_d
 
 @pytest.fixture(scope="module")
 def runner_bf16_dense(model_path) -> ModelRunner:
-    return ModelRunner(model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64, int4_max_rows=0)
+    return ModelRunner(
+        model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64, int4_max_rows=0
+    )
 
 
 def test_bad_chunks(runner: ModelRunner) -> None:
@@ -199,7 +211,9 @@ def runner_bf16(model_path, request) -> ModelRunner:
     """bfloat16 runners: the default (int4 layers + int8 LM head for <= 4 rows, oneDNN-prepacked dense
     above) and oneDNN-prepacked dense matmuls only."""
     int4 = 0 if request.param == "onednn" else None
-    r = ModelRunner(model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64, int4_max_rows=int4)
+    r = ModelRunner(
+        model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64, int4_max_rows=int4
+    )
     if request.param == "default":
         assert r.model.int4_max_rows == 4 and r.model.lm_head.w8 is not None
     else:

@@ -70,14 +70,28 @@ def chat(gp, messages, *, rid: str | None = None, key: str | None = None, **kw) 
 
 
 BLOCKED_WORD = "zanzibarquux"
-FILTERS = {"output_window": 0, "hooks": [{"type": "blocklist", "name": "in", "keywords": [BLOCKED_WORD], "stages": ["prompt"]},
-                                         {"type": "blocklist", "name": "out", "patterns": ["\\S"], "stages": ["output"]}]}
+FILTERS = {
+    "output_window": 0,
+    "hooks": [
+        {"type": "blocklist", "name": "in", "keywords": [BLOCKED_WORD], "stages": ["prompt"]},
+        {"type": "blocklist", "name": "out", "patterns": ["\\S"], "stages": ["output"]},
+    ],
+}
 
 
 def _tenant_key(gp, rpm: int) -> str | None:
     """A fresh tenant with an rpm limit and a prompt blocklist, through the admin API; None when tenancy is not wired in."""
     h = gp.admin_headers()
-    r = httpx.post(gp.base_url + "/admin/v1/tenants", json={"name": f"obs-{time.monotonic_ns()}", "limits": {"rpm": rpm, "window_s": 3600}, "filters": FILTERS}, headers=h, timeout=30)
+    r = httpx.post(
+        gp.base_url + "/admin/v1/tenants",
+        json={
+            "name": f"obs-{time.monotonic_ns()}",
+            "limits": {"rpm": rpm, "window_s": 3600},
+            "filters": FILTERS,
+        },
+        headers=h,
+        timeout=30,
+    )
     if r.status_code == 404:
         return None
     assert r.status_code == 201, r.text
@@ -105,11 +119,25 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     # --- an abort: a streaming client leaves after its first token (legacy completions with fresh
     #     random token ids, so that no prefix-cache hit goes uncounted: an aborted request has no usage)
     abort_ids = random.Random(time.time_ns()).sample(range(1000, 40000), 20)
-    with httpx.stream("POST", gp.base_url + "/v1/completions", headers={**gp.headers(), "x-request-id": "obs-e2e-abort"}, timeout=300,
-                      json={"model": gp.model, "prompt": abort_ids, "temperature": 0, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        gp.base_url + "/v1/completions",
+        headers={**gp.headers(), "x-request-id": "obs-e2e-abort"},
+        timeout=300,
+        json={
+            "model": gp.model,
+            "prompt": abort_ids,
+            "temperature": 0,
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
         assert r.status_code == 200 and r.headers["x-request-id"] == "obs-e2e-abort"
         for line in r.iter_lines():
-            if line.startswith("data: ") and any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+            if line.startswith("data: ") and any(
+                c.get("text") for c in json.loads(line[6:]).get("choices", [])
+            ):
                 break
 
     # --- Ollama API through the official client (the chat repeats r1's messages: a cached prefix)
@@ -117,7 +145,11 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     o1 = oc.chat(model=gp.model, messages=m1, options={"num_predict": 2, "temperature": 0})
     o2 = list(oc.chat(model=gp.model, messages=m2, options={"num_predict": 1, "temperature": 0}, stream=True))
     o3 = oc.generate(model=gp.model, prompt="Name a color.", options={"num_predict": 1, "temperature": 0})
-    o4 = list(oc.generate(model=gp.model, prompt="Name a color.", options={"num_predict": 1, "temperature": 0}, stream=True))
+    o4 = list(
+        oc.generate(
+            model=gp.model, prompt="Name a color.", options={"num_predict": 1, "temperature": 0}, stream=True
+        )
+    )
     assert o1.prompt_eval_count == usages[0]["prompt_tokens"]  # same messages: same count as /v1
     assert o1.message.content == r1.json()["choices"][0]["message"]["content"]  # greedy: same text
     assert o3.prompt_eval_count == o2[-1].prompt_eval_count  # generate = one user message
@@ -143,7 +175,9 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
         rb = chat(gp, m2, key=limited_key, max_tokens=1)
         assert rb.status_code == 429, rb.text
         n429 = 1
-        rc = chat(gp, [{"role": "user", "content": f"Tell me about {BLOCKED_WORD}."}], key=limited_key, max_tokens=1)
+        rc = chat(
+            gp, [{"role": "user", "content": f"Tell me about {BLOCKED_WORD}."}], key=limited_key, max_tokens=1
+        )
         n_blocked = 1 if rc.status_code == 400 and rc.json()["error"]["code"] == "content_filter" else 0
         if rc.status_code == 429:  # content filters not wired in: the rpm limit answers instead
             n429 += 1
@@ -154,7 +188,11 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     deadline = time.monotonic() + 60
     while True:
         after = scrape(gp)
-        if d(before, after, P + "engine_aborts_total") >= 1 and d(before, after, P + "request_aborts_total") >= 1 and sample_sum(after, P + "num_requests_running") == 0:
+        if (
+            d(before, after, P + "engine_aborts_total") >= 1
+            and d(before, after, P + "request_aborts_total") >= 1
+            and sample_sum(after, P + "num_requests_running") == 0
+        ):
             break
         assert time.monotonic() < deadline, "abort not counted"
         time.sleep(0.2)
@@ -173,14 +211,20 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     assert d(before, after, P + "e2e_request_latency_seconds_count") == n_done + 1
     assert d(before, after, P + "request_prefill_time_seconds_count") == n_done
     for reason in set(reasons):
-        assert d(before, after, P + "request_success_total", finished_reason=reason) == reasons.count(reason), reason
+        assert d(before, after, P + "request_success_total", finished_reason=reason) == reasons.count(
+            reason
+        ), reason
     assert d(before, after, P + "request_success_total", finished_reason="abort") == 1
     assert d(before, after, P + "request_aborts_total") == 1
     assert d(before, after, P + "engine_aborts_total") == 1
     # backend counters vs the gateway's sums (no preemption on this gateway)
     assert d(before, after, P + "num_preemptions_total") == 0
     assert d(before, after, P + "prefix_cache_queries_total") == prompt
-    assert d(before, after, P + "prefix_cache_hits_total") == d(before, after, P + "prompt_tokens_cached_total") >= 16
+    assert (
+        d(before, after, P + "prefix_cache_hits_total")
+        == d(before, after, P + "prompt_tokens_cached_total")
+        >= 16
+    )
     assert log_line(gp, "obs-e2e-1")["cached_tokens"] is not None
     assert d(before, after, P + "engine_generation_tokens_total") >= gen
     v1_ok = 1 + (1 if limited_key else 0)
@@ -197,7 +241,10 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     # --- the access log: fields present, no key, no prompt text
     e1 = log_line(gp, "obs-e2e-1")
     assert e1["status"] == 200 and e1["api"] == "openai" and e1["model"] == gp.model
-    assert e1["prompt_tokens"] == usages[0]["prompt_tokens"] and e1["completion_tokens"] == usages[0]["completion_tokens"]
+    assert (
+        e1["prompt_tokens"] == usages[0]["prompt_tokens"]
+        and e1["completion_tokens"] == usages[0]["completion_tokens"]
+    )
     assert e1["ttft_s"] > 0 and e1["prefill_s"] > 0 and e1["finish_reason"] == reasons[0]
     assert "prompt" not in e1 and "output" not in e1
     lines = [json.dumps(e) for e in access_lines(gp)]
@@ -212,15 +259,28 @@ def test_preemption_counted_with_tiny_kv_pool(make_gateway):
     # 7 blocks of 16 tokens; three 32-token prompts (2 blocks each, no shared prefix) whose first decode
     # step needs a third block each: 9 > 7, so the newest running request is preempted and recomputed.
     # This gateway also runs with content logging and the tenant label switched on.
-    gp = make_gateway("--num-kv-blocks", "7", env={"GATEWAY_LOG_CONTENT": "1", "GATEWAY_METRICS_TENANT_LABEL": "1"})
+    gp = make_gateway(
+        "--num-kv-blocks", "7", env={"GATEWAY_LOG_CONTENT": "1", "GATEWAY_METRICS_TENANT_LABEL": "1"}
+    )
     before = scrape(gp)
     rng = random.Random(time.time_ns())
     rids = [f"obs-pre-{i}" for i in range(3)]
     results: dict[str, httpx.Response] = {}
 
     def one(i: int) -> None:
-        body = {"model": gp.model, "prompt": rng.sample(range(1000, 40000), 32), "temperature": 0, "max_tokens": 4, "ignore_eos": True}
-        results[rids[i]] = httpx.post(gp.base_url + "/v1/completions", json=body, headers={**gp.headers(), "x-request-id": rids[i]}, timeout=300)
+        body = {
+            "model": gp.model,
+            "prompt": rng.sample(range(1000, 40000), 32),
+            "temperature": 0,
+            "max_tokens": 4,
+            "ignore_eos": True,
+        }
+        results[rids[i]] = httpx.post(
+            gp.base_url + "/v1/completions",
+            json=body,
+            headers={**gp.headers(), "x-request-id": rids[i]},
+            timeout=300,
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
     for t in threads:

@@ -39,20 +39,43 @@ async def fake_chat_endpoint(request: Request):
     rec = get_record(request)
     rec.model = body["model"]
     rec.on_submit(prompt_tokens=11)
-    usage = {"prompt_tokens": 11, "completion_tokens": len(WORDS), "total_tokens": 11 + len(WORDS), "prompt_tokens_details": {"cached_tokens": 3}}
+    usage = {
+        "prompt_tokens": 11,
+        "completion_tokens": len(WORDS),
+        "total_tokens": 11 + len(WORDS),
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
     async def produce(w):
         for t in WORDS:
             rec.on_tokens(1, text=t)
-        rec.on_finish("stop", Usage(prompt_tokens=11, completion_tokens=len(WORDS), cached_tokens=3), Timings(queue=1e-6, prefill=2e-6, decode=3e-6))
+        rec.on_finish(
+            "stop",
+            Usage(prompt_tokens=11, completion_tokens=len(WORDS), cached_tokens=3),
+            Timings(queue=1e-6, prefill=2e-6, decode=3e-6),
+        )
         if not body.get("stream"):
             msg = {"role": "assistant", "content": "".join(WORDS)}
-            await w.json(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"], "choices": [{"index": 0, "message": msg, "finish_reason": "stop", "logprobs": None}], "usage": usage})
+            await w.json(
+                200,
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [{"index": 0, "message": msg, "finish_reason": "stop", "logprobs": None}],
+                    "usage": usage,
+                },
+            )
             return
         await w.start()
         await w.ping()
         for t in WORDS:
-            await w.event(json.dumps({"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}).encode())
+            await w.event(
+                json.dumps(
+                    {"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}
+                ).encode()
+            )
         await w.event(json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}).encode())
         await w.event(json.dumps({"choices": [], "usage": usage}).encode())
         await w.done()
@@ -66,7 +89,9 @@ async def authenticate(request: Request):
 
 
 def make_app():
-    card = ModelCard(name="smol", context_length=2048, quantization="Q4_1", model_path="/nonexistent/smol.gguf")
+    card = ModelCard(
+        name="smol", context_length=2048, quantization="Q4_1", model_path="/nonexistent/smol.gguf"
+    )
     api = OllamaAPI(fake_chat_endpoint, lambda: card, authenticate)
 
     async def api_error(request, exc: APIError):
@@ -79,7 +104,11 @@ def make_app():
 
 
 def oclient(app, key: str = KEY) -> ollama.AsyncClient:
-    return ollama.AsyncClient(host="http://test:80", headers={"Authorization": f"Bearer {key}"}, transport=httpx.ASGITransport(app=app))
+    return ollama.AsyncClient(
+        host="http://test:80",
+        headers={"Authorization": f"Bearer {key}"},
+        transport=httpx.ASGITransport(app=app),
+    )
 
 
 def check_stats(r, *, prompt=11):
@@ -92,12 +121,32 @@ def check_stats(r, *, prompt=11):
 async def test_chat_and_generate_with_official_client():
     app = make_app()
     c = oclient(app)
-    r = await c.chat(model="smol", messages=[{"role": "user", "content": "hi"}], options={"temperature": 0, "num_predict": 5, "seed": 3, "repeat_penalty": 1.1, "top_k": 4, "stop": ["x"]})
+    r = await c.chat(
+        model="smol",
+        messages=[{"role": "user", "content": "hi"}],
+        options={
+            "temperature": 0,
+            "num_predict": 5,
+            "seed": 3,
+            "repeat_penalty": 1.1,
+            "top_k": 4,
+            "stop": ["x"],
+        },
+    )
     assert r.message.role == "assistant" and r.message.content == "Hello there!"
     check_stats(r)
     sent = seen_bodies[-1]
-    assert sent["temperature"] == 0 and sent["max_tokens"] == 5 and sent["seed"] == 3 and sent["repetition_penalty"] == 1.1 and sent["top_k"] == 4 and sent["stop"] == ["x"]
-    parts = [p async for p in await c.chat(model="smol", messages=[{"role": "user", "content": "hi"}], stream=True)]
+    assert (
+        sent["temperature"] == 0
+        and sent["max_tokens"] == 5
+        and sent["seed"] == 3
+        and sent["repetition_penalty"] == 1.1
+        and sent["top_k"] == 4
+        and sent["stop"] == ["x"]
+    )
+    parts = [
+        p async for p in await c.chat(model="smol", messages=[{"role": "user", "content": "hi"}], stream=True)
+    ]
     assert "".join(p.message.content for p in parts) == "Hello there!"
     assert [p.done for p in parts] == [False] * len(WORDS) + [True]
     check_stats(parts[-1])
@@ -105,7 +154,10 @@ async def test_chat_and_generate_with_official_client():
     r = await c.generate(model="smol", prompt="hi", system="be brief")
     assert r.response == "Hello there!"
     check_stats(r)
-    assert seen_bodies[-1]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert seen_bodies[-1]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
     parts = [p async for p in await c.generate(model="smol", prompt="hi", stream=True)]
     assert "".join(p.response for p in parts) == "Hello there!"
     check_stats(parts[-1])
@@ -127,15 +179,42 @@ async def test_errors_in_ollama_shape():
         await oclient(app).chat(model="smol", messages=[{"role": "user", "content": "limit me"}])
     assert ei.value.status_code == 429
     with pytest.raises(ollama.ResponseError) as ei:
-        await oclient(app).chat(model="smol", messages=[{"role": "user", "content": "hi", "images": ["aGk="]}])
+        await oclient(app).chat(
+            model="smol", messages=[{"role": "user", "content": "hi", "images": ["aGk="]}]
+        )
     assert ei.value.status_code == 400
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
-        r = await h.post("/api/chat", json={"model": "smol", "messages": [{"role": "user", "content": "limit me"}]}, headers={"authorization": f"Bearer {KEY}"})
-        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["code"] == "rate_limit_exceeded"
-        r = await h.post("/api/generate", json={"model": "smol", "prompt": "hi", "stream": False}, headers={"authorization": f"Bearer {KEY}"})
+        r = await h.post(
+            "/api/chat",
+            json={"model": "smol", "messages": [{"role": "user", "content": "limit me"}]},
+            headers={"authorization": f"Bearer {KEY}"},
+        )
+        assert (
+            r.status_code == 429
+            and r.headers["retry-after"] == "1"
+            and r.json()["code"] == "rate_limit_exceeded"
+        )
+        r = await h.post(
+            "/api/generate",
+            json={"model": "smol", "prompt": "hi", "stream": False},
+            headers={"authorization": f"Bearer {KEY}"},
+        )
         assert r.json()["prompt_eval_cached_count"] == 3  # extension field (the client drops unknown fields)
-        lines = [json.loads(x) for x in (await h.post("/api/chat", json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]}, headers={"authorization": f"Bearer {KEY}"})).text.splitlines()]
-        assert lines[-1]["done"] and lines[-1]["prompt_eval_cached_count"] == 3 and lines[-1]["queue_duration"] == 1000
+        lines = [
+            json.loads(x)
+            for x in (
+                await h.post(
+                    "/api/chat",
+                    json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"authorization": f"Bearer {KEY}"},
+                )
+            ).text.splitlines()
+        ]
+        assert (
+            lines[-1]["done"]
+            and lines[-1]["prompt_eval_cached_count"] == 3
+            and lines[-1]["queue_duration"] == 1000
+        )
         r = await h.get("/metrics")  # not routed here; just check x-request-id on a 404
         assert r.headers["x-request-id"]
 
@@ -155,7 +234,11 @@ async def test_tags_show_version():
 
 def test_translation_helpers():
     assert options_to_openai({"num_predict": -1, "num_ctx": 4096, "min_p": 0.1}) == {"min_p": 0.1}
-    assert options_to_openai({"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_p": 0.9}) == {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_p": 0.9}
+    assert options_to_openai({"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_p": 0.9}) == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "top_p": 0.9,
+    }
     with pytest.raises(APIError):
         options_to_openai({"num_predict": "lots"})
     with pytest.raises(APIError):

@@ -46,7 +46,11 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
         for i in range(n):
             rec.on_tokens(1, text=f"tok{i} ")
         reason = body.get("finish", "length")
-        rec.on_finish(reason, Usage(prompt_tokens=7, completion_tokens=n, cached_tokens=body.get("cached", 0)), Timings(queue=0.001, prefill=0.002, decode=0.003, ttft=0.003, preemptions=body.get("preempt", 0)))
+        rec.on_finish(
+            reason,
+            Usage(prompt_tokens=7, completion_tokens=n, cached_tokens=body.get("cached", 0)),
+            Timings(queue=0.001, prefill=0.002, decode=0.003, ttft=0.003, preemptions=body.get("preempt", 0)),
+        )
         return JSONResponse({"ok": True})
 
     async def abort(request: Request):
@@ -74,7 +78,11 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
             for i in range(4):
                 rec.on_tokens(1, text="x")
                 yield b"data: x\n\n"
-            rec.on_finish("stop", Usage(prompt_tokens=5, completion_tokens=4), Timings(queue=0.0, prefill=0.001, decode=0.002))
+            rec.on_finish(
+                "stop",
+                Usage(prompt_tokens=5, completion_tokens=4),
+                Timings(queue=0.0, prefill=0.001, decode=0.002),
+            )
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -85,17 +93,28 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
         rec.on_submit(5)
         rec.on_tokens(1, text="x")
         rec.on_finish("length", Usage(prompt_tokens=5, completion_tokens=1), Timings(prefill=0.001))
-        return JSONResponse({"choices": [{"index": 0, "message": {"content": ""}, "finish_reason": "content_filter"}]})
+        return JSONResponse(
+            {"choices": [{"index": 0, "message": {"content": ""}, "finish_reason": "content_filter"}]}
+        )
 
     app = Starlette(
-        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/abort", abort), Route("/boom", boom), Route("/stream", stream), Route("/cut", cut), Route("/metrics", metrics.endpoint)],
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/abort", abort),
+            Route("/boom", boom),
+            Route("/stream", stream),
+            Route("/cut", cut),
+            Route("/metrics", metrics.endpoint),
+        ],
         exception_handlers={APIError: api_error},
     )
     return ObservabilityMiddleware(app, metrics, log_content=log_content)
 
 
 def client(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://test")
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://test"
+    )
 
 
 async def scrape(c: httpx.AsyncClient) -> dict:
@@ -129,9 +148,17 @@ async def test_request_metrics_exact():
     async with client(app) as c:
         b = await scrape(c)
         msgs = [{"role": "user", "content": "hi"}]
-        assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 3, "cached": 4, "preempt": 1})).status_code == 200
-        assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 2, "finish": "stop"})).status_code == 200
-        assert (await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 0, "finish": "stop"})).status_code == 200
+        assert (
+            await c.post(
+                "/v1/chat/completions", json={"messages": msgs, "n_tokens": 3, "cached": 4, "preempt": 1}
+            )
+        ).status_code == 200
+        assert (
+            await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 2, "finish": "stop"})
+        ).status_code == 200
+        assert (
+            await c.post("/v1/chat/completions", json={"messages": msgs, "n_tokens": 0, "finish": "stop"})
+        ).status_code == 200
         r = await c.post("/v1/chat/completions", json={"messages": msgs, "rate_limit": "tokens"})
         assert r.status_code == 429
         r = await c.post("/v1/chat/completions", json={"messages": msgs, "rate_limit": "insufficient_quota"})
@@ -168,8 +195,18 @@ async def test_request_metrics_exact():
 
 async def test_backend_counters_survive_restart_and_gauges():
     m = GatewayMetrics("m")
-    polls = [Stats(running=2, waiting=1, kv_blocks_used=3, kv_blocks_total=12, preemptions=4, prefix_cache_queries=100, prefix_cache_hits=32),
-             Stats(running=0, kv_blocks_total=12, preemptions=1, prefix_cache_queries=10, prefix_cache_hits=0)]
+    polls = [
+        Stats(
+            running=2,
+            waiting=1,
+            kv_blocks_used=3,
+            kv_blocks_total=12,
+            preemptions=4,
+            prefix_cache_queries=100,
+            prefix_cache_hits=32,
+        ),
+        Stats(running=0, kv_blocks_total=12, preemptions=1, prefix_cache_queries=10, prefix_cache_hits=0),
+    ]
 
     async def source():
         return polls.pop(0)
@@ -187,6 +224,7 @@ async def test_backend_counters_survive_restart_and_gauges():
     m.update_backend_stats(Stats(preemptions=1), "b", epoch=0)
     m.update_backend_stats(Stats(preemptions=3), "b", epoch=1)
     assert m.backend.counter_value("preemptions", "b") == 4
+
     # a failing source does not break rendering
     async def broken():
         raise ConnectionError("backend gone")
@@ -223,7 +261,9 @@ async def test_access_log_has_no_key_and_content_only_when_enabled(caplog, log_c
     assert len(lines) == 1
     entry = json.loads(lines[0])
     assert entry["request_id"] == "rid-42" and entry["status"] == 200 and entry["tenant"] == "t1"
-    assert entry["prompt_tokens"] == 7 and entry["completion_tokens"] == 2 and entry["finish_reason"] == "length"
+    assert (
+        entry["prompt_tokens"] == 7 and entry["completion_tokens"] == 2 and entry["finish_reason"] == "length"
+    )
     assert entry["ttft_s"] is not None and entry["prefill_s"] == 0.002
     assert SECRET_KEY not in lines[0]
     assert (PROMPT in lines[0]) is log_content

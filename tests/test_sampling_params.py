@@ -52,7 +52,9 @@ def st(p, prompt_ids, **kw):
 def test_presence_frequency_count_generated_only(logits, apple_prompt):
     """Penalties ignore the prompt: first-step logits identical with frequency/presence penalty 2 vs 0."""
     base = process_logits(logits, [st(None, apple_prompt, temperature=0)])
-    pen = process_logits(logits, [st(None, apple_prompt, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)])
+    pen = process_logits(
+        logits, [st(None, apple_prompt, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)]
+    )
     assert torch.equal(base, pen)
     s = st(None, apple_prompt, temperature=0, frequency_penalty=2.0, presence_penalty=1.0)
     s.append(30404)
@@ -96,8 +98,16 @@ def test_logprobs_are_raw_top20(runner, prompt):
     n = len(prompt)
     raw = torch.log_softmax(runner.execute([SeqChunk(prompt, 0, list(range(-(-n // 16))), True)])[0], dim=-1)
     eng = Engine(runner)
-    sp = SamplingParams(temperature=0.7, seed=1, max_tokens=1, logprobs=True, top_logprobs=20,
-                        logit_bias={504: -50.0}, frequency_penalty=1.0, top_k=3)
+    sp = SamplingParams(
+        temperature=0.7,
+        seed=1,
+        max_tokens=1,
+        logprobs=True,
+        top_logprobs=20,
+        logit_bias={504: -50.0},
+        frequency_penalty=1.0,
+        top_k=3,
+    )
     res = eng.generate([Submit(request_id="lp", prompt_ids=prompt, sampling=sp)])
     fin = final_output(res["lp"])
     (lp,) = fin.logprobs
@@ -131,24 +141,40 @@ def test_min_tokens_and_logit_bias(runner, prompt):
 
 def test_seeds_reproducible_across_batches_and_fresh_seeds_differ(runner, prompt, apple_prompt):
     """Same seed -> same tokens whatever the batch; no seed -> different; any int seed accepted."""
+
     def sp(seed, n=1):
         return SamplingParams(temperature=0.8, max_tokens=8, seed=seed, n=n)
 
     eng = Engine(runner)
     alone = eng.generate([Submit(request_id="a", prompt_ids=prompt, sampling=sp(7))])
     ref = collect_tokens(alone["a"])
-    batch = eng.generate([
-        Submit(request_id="x", prompt_ids=apple_prompt, sampling=SamplingParams(temperature=1.0, max_tokens=12)),
-        Submit(request_id="a", prompt_ids=prompt, sampling=sp(7)),
-        Submit(request_id="y", prompt_ids=prompt[:9], sampling=SamplingParams(temperature=0, max_tokens=3)),
-        Submit(request_id="neg", prompt_ids=prompt, sampling=sp(-2)),
-        Submit(request_id="huge", prompt_ids=prompt, sampling=sp(2**70)),
-    ])
+    batch = eng.generate(
+        [
+            Submit(
+                request_id="x",
+                prompt_ids=apple_prompt,
+                sampling=SamplingParams(temperature=1.0, max_tokens=12),
+            ),
+            Submit(request_id="a", prompt_ids=prompt, sampling=sp(7)),
+            Submit(
+                request_id="y", prompt_ids=prompt[:9], sampling=SamplingParams(temperature=0, max_tokens=3)
+            ),
+            Submit(request_id="neg", prompt_ids=prompt, sampling=sp(-2)),
+            Submit(request_id="huge", prompt_ids=prompt, sampling=sp(2**70)),
+        ]
+    )
     assert collect_tokens(batch["a"]) == ref
     assert final_output(batch["neg"]).finish_reason is not None
     again = eng.generate([Submit(request_id="neg", prompt_ids=prompt, sampling=sp(-2))])
     assert collect_tokens(again["neg"]) == collect_tokens(batch["neg"])
-    free = eng.generate([Submit(request_id=f"f{i}", prompt_ids=prompt, sampling=SamplingParams(temperature=0.8, max_tokens=8)) for i in range(3)])
+    free = eng.generate(
+        [
+            Submit(
+                request_id=f"f{i}", prompt_ids=prompt, sampling=SamplingParams(temperature=0.8, max_tokens=8)
+            )
+            for i in range(3)
+        ]
+    )
     outs = {tuple(collect_tokens(free[f"f{i}"])) for i in range(3)}
     assert len(outs) > 1, "requests without a seed gave identical outputs"
     assert eng.stats().kv_blocks_used == 0

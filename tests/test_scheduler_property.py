@@ -98,7 +98,13 @@ class Harness:
                 if s.pending_forks:
                     kids = []
                     for i in range(1, s.pending_forks + 1):
-                        c = Sequence(s.token_ids, cache_salt=s.cache_salt, max_tokens=s.max_tokens, request=s.request, index=i)
+                        c = Sequence(
+                            s.token_ids,
+                            cache_salt=s.cache_salt,
+                            max_tokens=s.max_tokens,
+                            request=s.request,
+                            index=i,
+                        )
                         kids.append(c)
                     self.sched.fork(s, kids)
                     self.live[s.request].extend(kids)
@@ -123,8 +129,18 @@ def ops(draw):
         if kind == "submit":
             plen = draw(st.integers(1, 70))
             base = draw(st.sampled_from([[1, 2, 3] * 30, [4, 5] * 40, [7] * 80]))
-            prompt = base[: plen // 2] + draw(st.lists(st.integers(0, 49), min_size=plen - plen // 2, max_size=plen - plen // 2))
-            out.append(("submit", prompt, draw(st.integers(1, 20)), draw(st.integers(1, 3)), draw(st.sampled_from(["", "a"]))))
+            prompt = base[: plen // 2] + draw(
+                st.lists(st.integers(0, 49), min_size=plen - plen // 2, max_size=plen - plen // 2)
+            )
+            out.append(
+                (
+                    "submit",
+                    prompt,
+                    draw(st.integers(1, 20)),
+                    draw(st.integers(1, 3)),
+                    draw(st.sampled_from(["", "a"])),
+                )
+            )
         elif kind == "abort":
             out.append(("abort", draw(st.integers(0, 40))))
         else:

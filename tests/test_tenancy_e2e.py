@@ -13,6 +13,7 @@ import trio
 
 pytestmark = pytest.mark.slow
 
+
 def _tenancy_wired(gp) -> bool:
     r = httpx.get(gp.base_url + "/admin/v1/tenants", headers=gp.admin_headers(), timeout=30)
     return r.status_code == 200
@@ -29,18 +30,31 @@ def new_tenant(gp, name: str, **limits) -> tuple[dict, str]:
     import os
 
     A = gp.admin_headers()
-    r = httpx.post(gp.base_url + "/admin/v1/tenants", json={"name": f"{name}-{os.urandom(4).hex()}", "limits": limits},
-                   headers=A, timeout=30)
+    r = httpx.post(
+        gp.base_url + "/admin/v1/tenants",
+        json={"name": f"{name}-{os.urandom(4).hex()}", "limits": limits},
+        headers=A,
+        timeout=30,
+    )
     assert r.status_code == 201, r.text
     t = r.json()
-    r = httpx.post(gp.base_url + f"/admin/v1/tenants/{t['id']}/keys", json={"name": "e2e"}, headers=A, timeout=30)
+    r = httpx.post(
+        gp.base_url + f"/admin/v1/tenants/{t['id']}/keys", json={"name": "e2e"}, headers=A, timeout=30
+    )
     assert r.status_code == 201, r.text
     return t, r.json()["key"]
 
 
-def chat(gp, key: str | None, *, max_tokens: int = 1, path: str = "/v1/chat/completions", **kw) -> httpx.Response:
+def chat(
+    gp, key: str | None, *, max_tokens: int = 1, path: str = "/v1/chat/completions", **kw
+) -> httpx.Response:
     h = {"authorization": f"Bearer {key}"} if key else {}
-    body = {"model": gp.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": max_tokens, **kw}
+    body = {
+        "model": gp.model,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": max_tokens,
+        **kw,
+    }
     return httpx.post(gp.base_url + path, json=body, headers=h, timeout=300)
 
 
@@ -48,8 +62,14 @@ def test_e2e_auth_and_admin_security(gw):
     t, key = new_tenant(gw, "sec")
     r = chat(gw, key)
     assert r.status_code == 200, r.text
-    for path in ("/v1/chat/completions", "/v1/chat/completions/", "/chat/completions", "/v1/models", "/v1/nope",
-                 "/healthz/../v1/chat/completions"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/chat/completions/",
+        "/chat/completions",
+        "/v1/models",
+        "/v1/nope",
+        "/healthz/../v1/chat/completions",
+    ):
         for k in (None, "sk-gw-wrong-key"):
             r = chat(gw, k, path=path)
             assert r.status_code == 401, (path, k, r.status_code, r.text[:200])
@@ -63,9 +83,16 @@ def test_e2e_auth_and_admin_security(gw):
         r = httpx.get(gw.base_url + path, timeout=30)
         assert r.status_code == 401, (path, r.status_code)
     # revoke -> 401 at once
-    keys = httpx.get(gw.base_url + f"/admin/v1/tenants/{t['id']}/keys", headers=gw.admin_headers(), timeout=30).json()
+    keys = httpx.get(
+        gw.base_url + f"/admin/v1/tenants/{t['id']}/keys", headers=gw.admin_headers(), timeout=30
+    ).json()
     kid = keys["data"][0]["id"]
-    assert httpx.delete(gw.base_url + f"/admin/v1/keys/{kid}", headers=gw.admin_headers(), timeout=30).status_code == 200
+    assert (
+        httpx.delete(
+            gw.base_url + f"/admin/v1/keys/{kid}", headers=gw.admin_headers(), timeout=30
+        ).status_code
+        == 200
+    )
     r = chat(gw, key)
     assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
     # the keys used here never reach the gateway's log
@@ -79,8 +106,10 @@ async def test_e2e_rpm_exact_with_headers(gw):
     limited: list[httpx.Response] = []
     ok: list[httpx.Response] = []
     body = {"model": gw.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-    async with httpx.AsyncClient(base_url=gw.base_url, timeout=300,
-                                 limits=httpx.Limits(max_connections=60)) as c:
+    async with httpx.AsyncClient(
+        base_url=gw.base_url, timeout=300, limits=httpx.Limits(max_connections=60)
+    ) as c:
+
         async def one():
             r = await c.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
             codes.append(r.status_code)
@@ -93,20 +122,36 @@ async def test_e2e_rpm_exact_with_headers(gw):
     for r in limited:
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
         assert int(r.headers["retry-after"]) >= 1 and int(r.headers["retry-after-ms"]) >= 1
-        assert r.headers["x-ratelimit-limit-requests"] == "10" and r.headers["x-ratelimit-remaining-requests"] == "0"
+        assert (
+            r.headers["x-ratelimit-limit-requests"] == "10"
+            and r.headers["x-ratelimit-remaining-requests"] == "0"
+        )
     assert all(r.headers.get("x-ratelimit-limit-requests") == "10" for r in ok)
     # raise the limit: passes at once
-    httpx.put(gw.base_url + f"/admin/v1/tenants/{t['id']}/limits", json={"rpm": 20, "window_s": 3600},
-              headers=gw.admin_headers(), timeout=30).raise_for_status()
+    httpx.put(
+        gw.base_url + f"/admin/v1/tenants/{t['id']}/limits",
+        json={"rpm": 20, "window_s": 3600},
+        headers=gw.admin_headers(),
+        timeout=30,
+    ).raise_for_status()
     assert chat(gw, key).status_code == 200
 
 
 def test_e2e_cancelled_stream_gives_back_its_reservation(gw):
     t, key = new_tenant(gw, "cancel", tpm=5000, window_s=36000)
-    body = {"model": gw.model, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-            "max_tokens": 1500, "stream": True}
-    with httpx.stream("POST", gw.base_url + "/v1/chat/completions", json=body,
-                      headers={"authorization": f"Bearer {key}"}, timeout=300) as r:
+    body = {
+        "model": gw.model,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 1500,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        gw.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=300,
+    ) as r:
         assert r.status_code == 200
         reserved_remaining = r.headers.get("x-ratelimit-remaining-tokens")
         for line in r.iter_lines():
@@ -121,7 +166,9 @@ def test_e2e_cancelled_stream_gives_back_its_reservation(gw):
     remaining = int(r.headers["x-ratelimit-remaining-tokens"])
     assert remaining >= 5000 - 400, remaining  # without the true-up it would be < 3500
     # the aborted request is in the ledger with the tokens it did generate
-    u = httpx.get(gw.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=gw.admin_headers(), timeout=30).json()
+    u = httpx.get(
+        gw.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=gw.admin_headers(), timeout=30
+    ).json()
     assert u["totals"]["requests"] == 2
     assert 0 < u["totals"]["completion_tokens"] < 1500
 
@@ -148,8 +195,23 @@ def _start_redis(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -168,8 +230,22 @@ def _start_backend(tmp_path, model_path):
 
     sock = str(tmp_path / "backend.sock")
     log = open(tmp_path / "backend.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{sock}",
-                             "--dtype", "float32"], cwd=str(Path(__file__).resolve().parent.parent), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "backend",
+            "--model",
+            model_path,
+            "--listen",
+            f"unix:{sock}",
+            "--dtype",
+            "float32",
+        ],
+        cwd=str(Path(__file__).resolve().parent.parent),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -201,9 +277,13 @@ def test_e2e_two_gateways_share_redis_limits_and_db_survives_restart(gw, make_ga
 
         async def burst():
             async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=60)) as c:
+
                 async def one(g):
-                    r = await c.post(g.base_url + "/v1/chat/completions", json=body,
-                                     headers={"authorization": f"Bearer {key}"})
+                    r = await c.post(
+                        g.base_url + "/v1/chat/completions",
+                        json=body,
+                        headers={"authorization": f"Bearer {key}"},
+                    )
                     codes.append(r.status_code)
 
                 async with trio.open_nursery() as n:
@@ -215,11 +295,19 @@ def test_e2e_two_gateways_share_redis_limits_and_db_survives_restart(gw, make_ga
 
         # revoke key2 through g1: g2 refuses it within its 1 s cache TTL
         assert chat(g2, key2).status_code == 200
-        keys = httpx.get(g1.base_url + "/admin/v1/tenants", headers=g1.admin_headers(), timeout=30).json()["data"]
+        keys = httpx.get(g1.base_url + "/admin/v1/tenants", headers=g1.admin_headers(), timeout=30).json()[
+            "data"
+        ]
         other = [x for x in keys if x["name"].startswith("other-")][0]
-        kid = httpx.get(g1.base_url + f"/admin/v1/tenants/{other['id']}/keys", headers=g1.admin_headers(),
-                        timeout=30).json()["data"][0]["id"]
-        assert httpx.delete(g1.base_url + f"/admin/v1/keys/{kid}", headers=g1.admin_headers(), timeout=30).status_code == 200
+        kid = httpx.get(
+            g1.base_url + f"/admin/v1/tenants/{other['id']}/keys", headers=g1.admin_headers(), timeout=30
+        ).json()["data"][0]["id"]
+        assert (
+            httpx.delete(
+                g1.base_url + f"/admin/v1/keys/{kid}", headers=g1.admin_headers(), timeout=30
+            ).status_code
+            == 200
+        )
         import time as _time
 
         _time.sleep(1.2)
@@ -229,11 +317,15 @@ def test_e2e_two_gateways_share_redis_limits_and_db_survives_restart(gw, make_ga
         # also shut the shared backend down; graceful ledger flushing is tested in test_tenancy_store.py) and
         # a new gateway process opens the same DB
         for g in (g1, g2):
-            httpx.get(g.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=g.admin_headers(), timeout=30)
+            httpx.get(
+                g.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=g.admin_headers(), timeout=30
+            )
             g.proc.kill()
             g.proc.wait(10)
         g3 = make_gateway("--redis-url", redis_url, "--db", db, "--backend-url", backend_url)
-        u = httpx.get(g3.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=g3.admin_headers(), timeout=30).json()
+        u = httpx.get(
+            g3.base_url + f"/admin/v1/tenants/{t['id']}/usage", headers=g3.admin_headers(), timeout=30
+        ).json()
         assert u["totals"]["requests"] == 10
         r = chat(g3, key2)
         assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]

@@ -35,19 +35,30 @@ def make_app(t: Tenancy) -> Starlette:
     async def chat(request: Request):
         body = await request.json()
         try:
-            async with t.admit(request.state.principal, prompt_tokens=len(str(body.get("messages"))),
-                               max_tokens=int(body.get("max_tokens", 16)), model=body.get("model")) as res:
+            async with t.admit(
+                request.state.principal,
+                prompt_tokens=len(str(body.get("messages"))),
+                max_tokens=int(body.get("max_tokens", 16)),
+                model=body.get("model"),
+            ) as res:
                 res.finish(completion_tokens=3, finish_reason="stop")
-                return JSONResponse({"object": "chat.completion", "tenant": request.state.principal.tenant_name},
-                                    headers=res.headers)
+                return JSONResponse(
+                    {"object": "chat.completion", "tenant": request.state.principal.tenant_name},
+                    headers=res.headers,
+                )
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     async def health(request: Request):
         return JSONResponse({"ok": True})
 
-    routes = [Route("/healthz", health), Route("/v1/chat/completions", chat, methods=["POST"]),
-              Mount("/admin/v1", routes=t.routes()), *t.openapi_routes(), *t.tenant_routes()]
+    routes = [
+        Route("/healthz", health),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Mount("/admin/v1", routes=t.routes()),
+        *t.openapi_routes(),
+        *t.tenant_routes(),
+    ]
     return Starlette(routes=routes, middleware=[Middleware(TenancyMiddleware, tenancy=t)])
 
 
@@ -95,7 +106,7 @@ async def test_admin_flow_and_security(env, caplog, capfd):
     ka = (await c.post(f"/admin/v1/tenants/{ta['id']}/keys", json={"name": "k"}, headers=A)).json()
     kb = (await c.post(f"/admin/v1/tenants/{tb['id']}/keys", json={}, headers=A)).json()
     key_a, key_b = ka["key"], kb["key"]
-    assert ka["prefix"] == key_a[:len(ka["prefix"])]
+    assert ka["prefix"] == key_a[: len(ka["prefix"])]
 
     # keys are listed by prefix only
     lst = (await c.get(f"/admin/v1/tenants/{ta['id']}/keys", headers=A)).json()["data"]
@@ -105,11 +116,19 @@ async def test_admin_flow_and_security(env, caplog, capfd):
     # inference with tenant keys
     r = await c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 5}, headers=bearer(key_a))
     assert r.status_code == 200 and r.json()["tenant"] == "a"
-    assert r.headers["x-ratelimit-limit-requests"] == "100" and r.headers["x-ratelimit-remaining-requests"] in ("99", "100")
+    assert r.headers["x-ratelimit-limit-requests"] == "100" and r.headers[
+        "x-ratelimit-remaining-requests"
+    ] in ("99", "100")
 
     # missing / wrong key -> 401 OpenAI body, on known, aliased and unknown paths (no 404 before auth)
-    for path in ("/v1/chat/completions", "/v1/chat/completions/", "/chat/completions", "/v1/nope",
-                 "/healthz/../v1/chat/completions", "/v1/models"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/chat/completions/",
+        "/chat/completions",
+        "/v1/nope",
+        "/healthz/../v1/chat/completions",
+        "/v1/models",
+    ):
         for h in ({}, bearer("sk-gw-not-a-key"), {"authorization": key_a}):
             r = await c.post(path, json={}, headers=h)
             assert r.status_code == 401, (path, h, r.status_code)
@@ -120,9 +139,14 @@ async def test_admin_flow_and_security(env, caplog, capfd):
         r = await c.post(f"/v1/chat/completions?{q}={key_a}", json={}, headers=bearer(key_a))
         assert r.status_code == 401
     # a tenant key on admin routes -> 403; no/wrong key -> 401
-    for method, path in (("GET", "/admin/v1/tenants"), ("GET", f"/admin/v1/tenants/{tb['id']}/usage"),
-                         ("GET", f"/admin/v1/tenants/{tb['id']}/keys"), ("DELETE", f"/admin/v1/keys/{kb['id']}"),
-                         ("GET", "/v1/../admin/v1/tenants"), ("GET", "/admin/v1/unknown")):
+    for method, path in (
+        ("GET", "/admin/v1/tenants"),
+        ("GET", f"/admin/v1/tenants/{tb['id']}/usage"),
+        ("GET", f"/admin/v1/tenants/{tb['id']}/keys"),
+        ("DELETE", f"/admin/v1/keys/{kb['id']}"),
+        ("GET", "/v1/../admin/v1/tenants"),
+        ("GET", "/admin/v1/unknown"),
+    ):
         r = await c.request(method, path, headers=bearer(key_a))
         assert r.status_code == 403, (path, r.status_code)
         assert r.json()["error"]["message"]
@@ -132,7 +156,9 @@ async def test_admin_flow_and_security(env, caplog, capfd):
         assert r.status_code == 401
     # tenant A sees only its own usage through /v1/usage; every tenant response has the rate-limit headers
     r = await c.get("/v1/usage", headers=bearer(key_a))
-    assert r.headers["x-ratelimit-limit-requests"] == "100" and r.headers["x-ratelimit-remaining-requests"] in ("99", "100")
+    assert r.headers["x-ratelimit-limit-requests"] == "100" and r.headers[
+        "x-ratelimit-remaining-requests"
+    ] in ("99", "100")
     assert r.status_code == 200 and r.json()["tenant_id"] == ta["id"] and r.json()["totals"]["requests"] == 1
     r = await c.get("/v1/usage", headers=bearer(key_b))
     assert r.json()["tenant_id"] == tb["id"] and r.json()["totals"]["requests"] == 0
@@ -141,16 +167,25 @@ async def test_admin_flow_and_security(env, caplog, capfd):
     assert (await c.get("/healthz")).status_code == 200
     assert (await c.get(f"/healthz?key={key_a}")).status_code == 401
     spec = (await c.get("/openapi.json")).json()
-    for p in ("/v1/chat/completions", "/admin/v1/tenants", "/admin/v1/tenants/{tenant_id}",
-              "/admin/v1/tenants/{tenant_id}/keys", "/admin/v1/keys/{key_id}", "/admin/v1/tenants/{tenant_id}/limits",
-              "/admin/v1/tenants/{tenant_id}/usage", "/admin/v1/tenants/{tenant_id}/filters"):
+    for p in (
+        "/v1/chat/completions",
+        "/admin/v1/tenants",
+        "/admin/v1/tenants/{tenant_id}",
+        "/admin/v1/tenants/{tenant_id}/keys",
+        "/admin/v1/keys/{key_id}",
+        "/admin/v1/tenants/{tenant_id}/limits",
+        "/admin/v1/tenants/{tenant_id}/usage",
+        "/admin/v1/tenants/{tenant_id}/filters",
+    ):
         assert p in spec["paths"], p
     assert set(spec["paths"]["/admin/v1/tenants/{tenant_id}"]) >= {"get", "patch", "delete"}
 
     # per-key limits via PATCH /keys/{id}: apply at once
     r = await c.patch(f"/admin/v1/keys/{kb['id']}", json={"limits": {"rpm": 1}, "name": "b2"}, headers=A)
     assert r.status_code == 200 and r.json()["limits"]["rpm"] == 1 and r.json()["name"] == "b2"
-    codes = [(await c.post("/v1/chat/completions", json={}, headers=bearer(key_b))).status_code for _ in range(2)]
+    codes = [
+        (await c.post("/v1/chat/completions", json={}, headers=bearer(key_b))).status_code for _ in range(2)
+    ]
     assert codes == [200, 429]
     assert (await c.get(f"/admin/v1/keys/{kb['id']}", headers=A)).json()["prefix"] == kb["prefix"]
     assert (await c.patch("/admin/v1/keys/key_nope", json={}, headers=A)).status_code == 404
@@ -166,12 +201,15 @@ async def test_admin_flow_and_security(env, caplog, capfd):
     assert u["totals"]["requests"] == 1 and u["days"][0]["requests"] == 1
     u = (await c.get(f"/admin/v1/tenants/{ta['id']}/usage", params={"until": "2000-01-01"}, headers=A)).json()
     assert u["totals"]["requests"] == 0
-    assert (await c.get(f"/admin/v1/tenants/{ta['id']}/usage", params={"since": "yesterday"}, headers=A)).status_code == 400
+    assert (
+        await c.get(f"/admin/v1/tenants/{ta['id']}/usage", params={"since": "yesterday"}, headers=A)
+    ).status_code == 400
 
     # keys never appear in logs or on stdout/stderr (only the one-time default-key announcement, captured)
     out, err = capfd.readouterr()
-    server_logs = "\n".join(caplog.handler.format(r) for r in caplog.records
-                            if not r.name.startswith(("httpx", "httpcore")))  # the client logs its own URLs
+    server_logs = "\n".join(
+        caplog.handler.format(r) for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))
+    )  # the client logs its own URLs
     text = server_logs + out + err
     assert "REDACTED" in server_logs  # the access log saw the redacted query string
     for k in (key_a, key_b, default_key, ADMIN):
@@ -185,10 +223,17 @@ async def test_limits_and_filters_via_admin(env):
     key = (await c.post(f"/admin/v1/tenants/{tn['id']}/keys", headers=A)).json()["key"]
     r = await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"rpm": 2, "tpm": None}, headers=A)
     assert r.status_code == 200 and r.json()["rpm"] == 2
-    assert (await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"rpm": -3}, headers=A)).status_code == 400
-    assert (await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"bogus": 1}, headers=A)).status_code == 400
+    assert (
+        await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"rpm": -3}, headers=A)
+    ).status_code == 400
+    assert (
+        await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"bogus": 1}, headers=A)
+    ).status_code == 400
     assert (await c.get(f"/admin/v1/tenants/lim/limits", headers=A)).json()["rpm"] == 2  # name works as id
-    codes = [(await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))).status_code for _ in range(4)]
+    codes = [
+        (await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))).status_code
+        for _ in range(4)
+    ]
     assert codes == [200, 200, 429, 429]
     r = await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
     e = r.json()["error"]
@@ -197,13 +242,19 @@ async def test_limits_and_filters_via_admin(env):
     assert r.headers["x-ratelimit-remaining-requests"] == "0"
     # raising the limit applies at once
     await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"rpm": 10}, headers=A)
-    assert (await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))).status_code == 200
+    assert (
+        await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
+    ).status_code == 200
     # disabling the tenant: 401 at once; PATCH back
     r = await c.patch(f"/admin/v1/tenants/{tn['id']}", json={"disabled": True}, headers=A)
     assert r.json()["disabled"] is True
-    assert (await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))).status_code == 401
+    assert (
+        await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
+    ).status_code == 401
     await c.patch(f"/admin/v1/tenants/{tn['id']}", json={"disabled": False}, headers=A)
-    assert (await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))).status_code == 200
+    assert (
+        await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
+    ).status_code == 200
 
     # filters: opaque JSON, validated by gateway.filters.parse_config when present
     assert (await c.get(f"/admin/v1/tenants/{tn['id']}/filters", headers=A)).json() == {}
@@ -224,7 +275,9 @@ async def test_limits_and_filters_via_admin(env):
     # delete: gone, keys revoked
     assert (await c.delete(f"/admin/v1/tenants/{tn['id']}", headers=A)).json()["deleted"] is True
     assert (await c.get(f"/admin/v1/tenants/{tn['id']}", headers=A)).status_code == 404
-    assert (await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))).status_code == 401
+    assert (
+        await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
+    ).status_code == 401
     # the name can be reused
     assert (await c.post("/admin/v1/tenants", json={"name": "lim"}, headers=A)).status_code == 201
 

@@ -25,7 +25,9 @@ def scope_for(key: str) -> dict:
 
 
 async def key_with(t: Tenancy, **limits) -> str:
-    tn = await t.store.call(Store.create_tenant, f"t{len(await t.store.call(Store.list_tenants))}", Limits(**limits))
+    tn = await t.store.call(
+        Store.create_tenant, f"t{len(await t.store.call(Store.list_tenants))}", Limits(**limits)
+    )
     key, _ = await t.store.call(Store.create_key, tn.id)
     return key
 
@@ -87,7 +89,10 @@ def test_local_bucket_refill_is_continuous():
 
 def test_all_or_nothing():
     lim = LocalLimiter(clock=lambda: 0.0)
-    dims = lambda tok: [Dim("r", "bucket", "requests", 10, 1, 60.0), Dim("t", "bucket", "tokens", 100, tok, 60.0)]  # noqa: E731
+    dims = lambda tok: [
+        Dim("r", "bucket", "requests", 10, 1, 60.0),
+        Dim("t", "bucket", "tokens", 100, tok, 60.0),
+    ]  # noqa: E731
     assert lim.acquire_now(dims(90), "a").ok
     assert not lim.acquire_now(dims(20), "b").ok  # tokens fail -> the request must not be charged
     assert lim.peek_now(dims(0))[0].remaining == 9

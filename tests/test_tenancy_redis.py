@@ -21,7 +21,9 @@ from ratelimit.core import Limits
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (make sysdeps)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server not installed (make sysdeps)"
+)
 
 
 def free_port() -> int:
@@ -34,8 +36,23 @@ def free_port() -> int:
 def redis_url(tmp_path_factory):
     d = tmp_path_factory.mktemp("redis")
     port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 10
     while True:
         try:
@@ -169,15 +186,20 @@ trio.run(main, sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv
 async def test_two_processes_share_the_limits(tmp_path, redis_url):
     db = str(tmp_path / "shared.db")
     async with Tenancy.open(db, redis_url=redis_url, announce=lambda s: None) as t:
-        keys = {"rpm": await new_key(t, rpm=10, window_s=3600), "tpm": await new_key(t, tpm=1000, window_s=3600),
-                "conc": await new_key(t, max_concurrent=4)}
+        keys = {
+            "rpm": await new_key(t, rpm=10, window_s=3600),
+            "tpm": await new_key(t, tpm=1000, window_s=3600),
+            "conc": await new_key(t, max_concurrent=4),
+        }
     start_at = time.time() + 3.0
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-c", CHILD, db, redis_url, json.dumps(keys), str(start_at)]
     results = []
 
     async def child():
-        r = await trio.run_process(args, capture_stdout=True, capture_stderr=True, env=env, cwd=str(ROOT), check=False)
+        r = await trio.run_process(
+            args, capture_stdout=True, capture_stderr=True, env=env, cwd=str(ROOT), check=False
+        )
         assert r.returncode == 0, r.stderr.decode()[-2000:]
         results.append(json.loads(r.stdout.decode().strip().splitlines()[-1]))
         # keys never reach a child's output
@@ -196,8 +218,23 @@ async def test_redis_down_is_503_not_a_hang(tmp_path):
     from gateway.errors import ServiceUnavailable
 
     port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(100):
             try:
@@ -205,8 +242,9 @@ async def test_redis_down_is_503_not_a_hang(tmp_path):
                 break
             except OSError:
                 await trio.sleep(0.05)
-        async with Tenancy.open(str(tmp_path / "g.db"), redis_url=f"redis://127.0.0.1:{port}",
-                                announce=lambda s: None) as t:
+        async with Tenancy.open(
+            str(tmp_path / "g.db"), redis_url=f"redis://127.0.0.1:{port}", announce=lambda s: None
+        ) as t:
             p = await t.authenticate(scope_for(await new_key(t, rpm=5)))
             async with t.admit(p, prompt_tokens=1, max_tokens=1):
                 pass
@@ -228,11 +266,17 @@ from ratelimit.core import Dim
 from ratelimit.local import LocalLimiter
 from ratelimit.redis_limiter import RedisLimiter
 
-OPS = st.lists(st.tuples(st.sampled_from(["acq", "rel"]), st.integers(0, 60), st.integers(-10, 40)), min_size=1, max_size=40)
+OPS = st.lists(
+    st.tuples(st.sampled_from(["acq", "rel"]), st.integers(0, 60), st.integers(-10, 40)),
+    min_size=1,
+    max_size=40,
+)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS, limits=st.tuples(st.integers(0, 8), st.integers(0, 120), st.integers(0, 4), st.integers(0, 150)))
+@given(
+    ops=OPS, limits=st.tuples(st.integers(0, 8), st.integers(0, 120), st.integers(0, 4), st.integers(0, 150))
+)
 def test_redis_script_matches_local_model(redis_url, ops, limits):
     """Same operations, same outcomes: the Lua script and the in-process limiter implement one model
     (window 1e6 s so the refill during a test is negligible)."""
@@ -240,9 +284,12 @@ def test_redis_script_matches_local_model(redis_url, ops, limits):
     tag = os.urandom(6).hex()
 
     def dims(cost):
-        return [Dim(f"{tag}:rpm", "bucket", "requests", rpm, 1, 1e6), Dim(f"{tag}:tpm", "bucket", "tokens", tpm, cost, 1e6),
-                Dim(f"{tag}:conc", "conc", "concurrent", conc, 1), Dim(f"{tag}:day", "daily", "daily_tokens", daily, cost,
-                                                                        ttl_s=1000.0, seed=5)]
+        return [
+            Dim(f"{tag}:rpm", "bucket", "requests", rpm, 1, 1e6),
+            Dim(f"{tag}:tpm", "bucket", "tokens", tpm, cost, 1e6),
+            Dim(f"{tag}:conc", "conc", "concurrent", conc, 1),
+            Dim(f"{tag}:day", "daily", "daily_tokens", daily, cost, ttl_s=1000.0, seed=5),
+        ]
 
     async def main():
         local, remote = LocalLimiter(), RedisLimiter(redis_url)
@@ -273,8 +320,10 @@ def test_redis_script_matches_local_model(redis_url, ops, limits):
     trio.run(main)
 
 
-BUSY_2S = ("local s = redis.call('TIME') local t0 = s[1] + s[2] / 1e6 "
-           "while true do local t = redis.call('TIME') if t[1] + t[2] / 1e6 - t0 > 2 then break end end return 1")
+BUSY_2S = (
+    "local s = redis.call('TIME') local t0 = s[1] + s[2] / 1e6 "
+    "while true do local t = redis.call('TIME') if t[1] + t[2] / 1e6 - t0 > 2 then break end end return 1"
+)
 
 
 async def test_lost_acquire_reply_is_taken_back(tmp_path, redis_url):
@@ -287,7 +336,9 @@ async def test_lost_acquire_reply_is_taken_back(tmp_path, redis_url):
 
     async with Tenancy.open(str(tmp_path / "g.db"), redis_url=redis_url, announce=lambda s: None) as t:
         t.store_timeout_s = 0.5
-        p = await t.authenticate(scope_for(await new_key(t, rpm=4, tpm=1000, max_concurrent=1, window_s=3600)))
+        p = await t.authenticate(
+            scope_for(await new_key(t, rpm=4, tpm=1000, max_concurrent=1, window_s=3600))
+        )
         async with t.admit(p, prompt_tokens=1, max_tokens=1) as r:  # also opens the pooled connection
             r.finish(completion_tokens=1)
         admin = RedisClient(redis_url)

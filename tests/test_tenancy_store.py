@@ -23,7 +23,9 @@ def test_generated_keys_are_random_and_hashed():
     keys = {generate_key() for _ in range(200)}
     assert len({k for k, _, _ in keys}) == 200
     for k, prefix, digest in keys:
-        assert k.startswith(KEY_PREFIX) and len(k) >= 40 and k.startswith(prefix) and len(prefix) < len(k) - 20
+        assert (
+            k.startswith(KEY_PREFIX) and len(k) >= 40 and k.startswith(prefix) and len(prefix) < len(k) - 20
+        )
         assert digest == hash_key(k) and len(digest) == 64
 
 
@@ -39,7 +41,9 @@ async def test_default_tenant_announced_once(tmp_path):
         assert t.default_key is None and len(said) == 1  # not created or printed again
         assert (await t.authenticate(scope_for(key))).tenant_name == "default"
     # only the digest is stored
-    raw = open(path, "rb").read() + (open(path + "-wal", "rb").read() if (tmp_path / "g.db-wal").exists() else b"")
+    raw = open(path, "rb").read() + (
+        open(path + "-wal", "rb").read() if (tmp_path / "g.db-wal").exists() else b""
+    )
     assert key.encode() not in raw
 
 
@@ -74,9 +78,14 @@ async def test_auth_failures_are_401_with_openai_body(tmp_path):
         good, _ = await t.store.call(Store.create_key, tn.id)
         expired, _ = await t.store.call(Store.create_key, tn.id, expires_at=time.time() - 1)
         soon, _ = await t.store.call(Store.create_key, tn.id, expires_at=time.time() + 0.3)
-        cases = [scope_for(None), scope_for("sk-gw-wrong"), scope_for(expired), scope_for(good, b"api_key=" + good.encode()),
-                 {"headers": [(b"authorization", f"Basic {good}".encode())], "query_string": b""},
-                 {"headers": [(b"x-api-key", good.encode())], "query_string": b""}]
+        cases = [
+            scope_for(None),
+            scope_for("sk-gw-wrong"),
+            scope_for(expired),
+            scope_for(good, b"api_key=" + good.encode()),
+            {"headers": [(b"authorization", f"Basic {good}".encode())], "query_string": b""},
+            {"headers": [(b"x-api-key", good.encode())], "query_string": b""},
+        ]
         for sc in cases:
             with pytest.raises(AuthenticationError) as ei:
                 await t.authenticate(sc)
@@ -117,7 +126,14 @@ def test_path_classification():
         assert classify_path(p) == "public", p
     for p in ("/admin/v1/tenants", "/v1/../admin/v1/tenants", "/ADMIN/v1/x", "//admin/v1/tenants"):
         assert classify_path(p) == "admin", p
-    for p in ("/v1/chat/completions", "/v1/chat/completions/", "/chat/completions", "/nope", "/healthz/../v1/models",
-              "/static/../v1/chat/completions", "/v1//chat/completions"):
+    for p in (
+        "/v1/chat/completions",
+        "/v1/chat/completions/",
+        "/chat/completions",
+        "/nope",
+        "/healthz/../v1/models",
+        "/static/../v1/chat/completions",
+        "/v1//chat/completions",
+    ):
         assert classify_path(p) == "tenant", p
     assert classify_path("/v1/chat/completions", "OPTIONS") == "public"

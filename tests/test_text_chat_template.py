@@ -72,7 +72,11 @@ def test_other_client_strings_are_literal(tok, tmpl):
 
 
 def test_honest_prompt_equals_special_parsing(tok, tmpl):
-    msgs = [{"role": "user", "content": "2 + 2 = ?"}, {"role": "assistant", "content": "4."}, {"role": "user", "content": "ok"}]
+    msgs = [
+        {"role": "user", "content": "2 + 2 = ?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "ok"},
+    ]
     p = tmpl.render(msgs)
     assert p.ids == tok.encode_with_specials(p.text)
 
@@ -97,7 +101,10 @@ def test_consecutive_same_role(tok, tmpl):
             {"role": "assistant", "content": "How can I help?"},
         ]
     )
-    assert "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>assistant\nHow can I help?<|im_end|>\n" in p.text
+    assert (
+        "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>assistant\nHow can I help?<|im_end|>\n"
+        in p.text
+    )
 
 
 def test_text_parts_joined_in_order(tmpl):
@@ -109,7 +116,10 @@ def test_text_parts_joined_in_order(tmpl):
 
 
 def test_image_part_rejected_with_param(tmpl):
-    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    parts = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+    ]
     with pytest.raises(InvalidRequest) as ei:
         tmpl.render([{"role": "system", "content": "s"}, {"role": "user", "content": parts}])
     assert ei.value.param == "messages[1].content[1].type"
@@ -142,7 +152,9 @@ def test_continue_final_message_with_generation_prompt_rejected(tmpl):
 
 def test_continue_needs_assistant_last(tmpl):
     with pytest.raises(InvalidRequest) as ei:
-        tmpl.render([{"role": "user", "content": "x"}], add_generation_prompt=False, continue_final_message=True)
+        tmpl.render(
+            [{"role": "user", "content": "x"}], add_generation_prompt=False, continue_final_message=True
+        )
     assert ei.value.param == "messages[0].role"
 
 
@@ -177,7 +189,13 @@ def test_bad_messages(tmpl, messages, param):
 
 def test_assistant_refusal_part_is_text(tmpl):
     parts = [{"type": "text", "text": "No."}, {"type": "refusal", "refusal": "I can't."}]
-    p = tmpl.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": parts}, {"role": "user", "content": "y"}])
+    p = tmpl.render(
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": parts},
+            {"role": "user", "content": "y"},
+        ]
+    )
     assert "<|im_start|>assistant\nNo.\nI can't.<|im_end|>" in p.text
     with pytest.raises(InvalidRequest) as ei:
         tmpl.render([{"role": "user", "content": parts}])
@@ -190,14 +208,24 @@ def test_roles_and_null_assistant(tmpl):
     msgs = normalize_messages([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
     assert msgs[0]["content"] is None
     # every OpenAI role renders ("tool" and the legacy "function" as their own ChatML block)
-    p = tmpl.render([{"role": "user", "content": "q"}, {"role": "tool", "content": "42", "tool_call_id": "1"},
-                     {"role": "function", "name": "f", "content": "43"}])
+    p = tmpl.render(
+        [
+            {"role": "user", "content": "q"},
+            {"role": "tool", "content": "42", "tool_call_id": "1"},
+            {"role": "function", "name": "f", "content": "43"},
+        ]
+    )
     assert "<|im_start|>tool\n42<|im_end|>" in p.text and "<|im_start|>function\n43<|im_end|>" in p.text
     # the SmolLM2 template does not render tool_calls: a null content is a clean 400 naming it, not a 500
     # nor a message naming a Python TypeError
     assert not tmpl.supports_tool_calls
     with pytest.raises(InvalidRequest) as ei:
-        tmpl.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+        tmpl.render(
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            ]
+        )
     assert (ei.value.param, ei.value.code) == ("messages[1].content", "unsupported_value")
     assert "tool_calls" in ei.value.message and "Error" not in ei.value.message
 
@@ -212,17 +240,29 @@ def test_null_content_with_tool_calls_renders_when_the_template_supports_them(to
     t = ChatTemplate(tok, TOOL_TEMPLATE)
     assert t.supports_tool_calls
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
-    p = t.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-                  {"role": "tool", "tool_call_id": "c1", "content": "4"}], add_generation_prompt=False)
-    assert p.text == ('<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": "{}"}'
-                      "</tool_call><|im_end|>\n<|im_start|>tool\n4<|im_end|>\n")
+    p = t.render(
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4"},
+        ],
+        add_generation_prompt=False,
+    )
+    assert p.text == (
+        '<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": "{}"}'
+        "</tool_call><|im_end|>\n<|im_start|>tool\n4<|im_end|>\n"
+    )
 
 
 def test_template_type_error_names_no_python_internals(tok):
     t = ChatTemplate(tok, "{% for m in messages %}{{ m.content + 1 }}{% endfor %}")
     with pytest.raises(InvalidRequest) as ei:
         t.render([{"role": "user", "content": "x"}])
-    assert ei.value.param == "messages" and "TypeError" not in ei.value.message and "Error" not in ei.value.message
+    assert (
+        ei.value.param == "messages"
+        and "TypeError" not in ei.value.message
+        and "Error" not in ei.value.message
+    )
 
 
 @pytest.mark.parametrize("role", ["wizard", "narrator", "User", "user<|im_end|>", "system ", "x" * 10000])
@@ -231,7 +271,12 @@ def test_unknown_role_is_400(tmpl, role):
     with pytest.raises(InvalidRequest) as ei:
         tmpl.render([{"role": "user", "content": "hi"}, {"role": role, "content": "x"}])
     e = ei.value
-    assert (e.param, e.code, e.status, e.type) == ("messages[1].role", "invalid_value", 400, "invalid_request_error")
+    assert (e.param, e.code, e.status, e.type) == (
+        "messages[1].role",
+        "invalid_value",
+        400,
+        "invalid_request_error",
+    )
     assert "'user'" in e.message and "'tool'" in e.message and len(e.message) < 300
 
 
@@ -242,7 +287,9 @@ def test_hf_template_features(tok):
         "{% if tools %}{{ tools | tojson }}{% endif %}[{{ strftime_now('%Y') | length }}]{{ eos_token }}"
     )
     t = ChatTemplate(tok, src)
-    p = t.render([{"role": "user", "content": 'é "<b>"'}], tools=[{"type": "function", "function": {"name": "f"}}])
+    p = t.render(
+        [{"role": "user", "content": 'é "<b>"'}], tools=[{"type": "function", "function": {"name": "f"}}]
+    )
     assert p.text == '<|im_start|>"é \\"<b>\\""[{"type": "function", "function": {"name": "f"}}][4]<|im_end|>'
     assert p.ids[0] == tok.bos_token_id and p.ids[-1] == tok.eos_token_id
     assert n_special(tok, p.ids) == 2
@@ -253,7 +300,9 @@ def test_hf_template_features(tok):
 
 
 def test_raise_exception_and_sandbox(tok):
-    t = ChatTemplate(tok, "{% if messages[0].role != 'user' %}{{ raise_exception('Only user!') }}{% endif %}ok")
+    t = ChatTemplate(
+        tok, "{% if messages[0].role != 'user' %}{{ raise_exception('Only user!') }}{% endif %}ok"
+    )
     with pytest.raises(InvalidRequest) as ei:
         t.render([{"role": "system", "content": "x"}])
     assert "Only user!" in ei.value.message and ei.value.param == "messages"
@@ -267,14 +316,39 @@ def test_raise_exception_and_sandbox(tok):
 
 def test_template_transforming_content_still_safe(tok):
     """A template that trims/upper-cases content: control-token text stays literal."""
-    t = ChatTemplate(tok, "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim | upper }}<|im_end|>\n{% endfor %}")
+    t = ChatTemplate(
+        tok,
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim | upper }}<|im_end|>\n{% endfor %}",
+    )
     p = t.render([{"role": "user", "content": "  a<|im_end|>b  "}])
     assert p.text == "<|im_start|>user\nA<|im_end|>B<|im_end|>\n"
     assert n_special(tok, p.ids) == 2
 
 
-_PIECES = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<file_sep>", "<|im_", "end|>", "<", "|>", "a", "hi",
-           " ", "  ", "\n", "\t", "é", "你好", "🙂", "12", "system", "assistant", "'s", "\ue000"]
+_PIECES = [
+    "<|im_end|>",
+    "<|im_start|>",
+    "<|endoftext|>",
+    "<file_sep>",
+    "<|im_",
+    "end|>",
+    "<",
+    "|>",
+    "a",
+    "hi",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "é",
+    "你好",
+    "🙂",
+    "12",
+    "system",
+    "assistant",
+    "'s",
+    "\ue000",
+]
 _content = st.lists(st.sampled_from(_PIECES), max_size=12).map("".join)
 _role = st.sampled_from(["user", "assistant", "system", "tool"])
 
@@ -291,14 +365,18 @@ def test_property_only_template_specials(model_path, convo, gen_prompt):
     blocks = len(msgs) + (0 if msgs[0]["role"] == "system" else 1)
     assert n_special(tok, p.ids) == 2 * blocks + (1 if gen_prompt else 0)
     assert tok.decode(p.ids, skip_special_tokens=False) == p.text
-    if not any(s in p.text.replace("<|im_start|>", "").replace("<|im_end|>", "") for s in tok.special_tokens.values()):
+    if not any(
+        s in p.text.replace("<|im_start|>", "").replace("<|im_end|>", "") for s in tok.special_tokens.values()
+    ):
         if not any(s in (r + c) for r, c in convo for s in ("<|im_start|>", "<|im_end|>")):
             assert p.ids == tok.encode_with_specials(p.text)
 
 
 def test_no_special_token_across_client_template_boundary(tok):
     """Client text ending (or starting) with part of a control token cannot complete one the template writes."""
-    t = ChatTemplate(tok, "{% for m in messages %}<|im_start|>{{ m.content }}im_end|>|{{ m.role }}{% endfor %}")
+    t = ChatTemplate(
+        tok, "{% for m in messages %}<|im_start|>{{ m.content }}im_end|>|{{ m.role }}{% endfor %}"
+    )
     p = t.render([{"role": "user", "content": "hi <|"}])
     assert p.text == "<|im_start|>hi <|im_end|>|user"
     assert n_special(tok, p.ids) == 1  # only the template's <|im_start|>
@@ -307,5 +385,7 @@ def test_no_special_token_across_client_template_boundary(tok):
     assert p.text == "<|im_start|>x<|im_end|>"
     assert n_special(tok, p.ids) == 1  # only the template's own <|im_end|>
     # honest text ending in "<" still gets HF's ids
-    p = ChatTemplate(tok).render([{"role": "user", "content": "a <"}, {"role": "assistant", "content": "|> b"}])
+    p = ChatTemplate(tok).render(
+        [{"role": "user", "content": "a <"}, {"role": "assistant", "content": "|> b"}]
+    )
     assert p.ids == tok.encode_with_specials(p.text)

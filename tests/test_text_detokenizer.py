@@ -128,7 +128,9 @@ def test_bad_ids(tok):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=49151), max_size=40), st.integers(min_value=1, max_value=5))
+@given(
+    st.lists(st.integers(min_value=0, max_value=49151), max_size=40), st.integers(min_value=1, max_value=5)
+)
 def test_random_token_sequences_match_decode(model_path, ids, chunk):
     tok = cached_tokenizer(model_path)
     for skip in (True, False):
@@ -156,7 +158,11 @@ _POOL: list[int] = []
 
 def _byte_pool(tok) -> list[int]:
     if not _POOL:
-        short = [i for i, b in enumerate(tok.id_to_bytes) if i not in tok.special_ids and (len(b) == 1 or not _valid(b))]
+        short = [
+            i
+            for i, b in enumerate(tok.id_to_bytes)
+            if i not in tok.special_ids and (len(b) == 1 or not _valid(b))
+        ]
         _POOL.extend(short + tok.encode_plain("a é 你 🙂"))
     return _POOL
 

@@ -69,7 +69,9 @@ def test_hf_directory_roundtrip(tok, tmp_path):
     """A Hugging Face directory (tokenizer.json + tokenizer_config.json) loads to the same tokenizer."""
     tok.tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": tok.chat_template})
+        json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": tok.chat_template}
+        )
     )
     hf = load_tokenizer(tmp_path)
     assert hf.vocab_size == tok.vocab_size

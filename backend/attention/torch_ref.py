@@ -92,9 +92,19 @@ class TorchAttention:
         """
         nd = meta.num_decodes
         dec = None
-        if nd and self._cpu_kernel is not None and query.device.type == "cpu" and k_cache.dtype in _KERNEL_DTYPES:
+        if (
+            nd
+            and self._cpu_kernel is not None
+            and query.device.type == "cpu"
+            and k_cache.dtype in _KERNEL_DTYPES
+        ):
             dec = self._cpu_kernel.paged_decode(
-                query[:nd].float().contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, float(scale)
+                query[:nd].float().contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                float(scale),
             )
             if nd == meta.num_seqs:
                 return dec
@@ -195,7 +205,11 @@ class TorchAttention:
             q, k, v = q.float(), k.float(), v.float()
         mask = None if bias is None else bias.unsqueeze(1).to(q.dtype)  # [nd, 1, 1, L]
         o = F.scaled_dot_product_attention(
-            q.view(nd, nh, 1, hd), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+            q.view(nd, nh, 1, hd),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
             enable_gqa=nh != nkv,
         )
         return o.view(nd, nh, hd).to(dt)
@@ -216,7 +230,11 @@ class TorchAttention:
         key = (q.dtype, q.device, nkv, scale)
         eye = self._eye.get(key)
         if eye is None:
-            eye = (torch.eye(nkv, dtype=torch.float32, device=q.device) * scale).to(q.dtype).view(1, nkv, 1, nkv, 1)
+            eye = (
+                (torch.eye(nkv, dtype=torch.float32, device=q.device) * scale)
+                .to(q.dtype)
+                .view(1, nkv, 1, nkv, 1)
+            )
             self._eye[key] = eye
         qd = (q.view(nd, nkv, g, 1, hd) * eye).view(nd, nh, nkv * hd)
         s = torch.bmm(qd, k.view(nd, L, nkv * hd).transpose(1, 2))  # [nd, nh, L], compute dtype

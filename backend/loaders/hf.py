@@ -99,7 +99,9 @@ def load_hf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
         for k, v in load_file(str(f)).items():
             tensors[k] = v.to(torch.float32)
     if "lm_head.weight" in tensors:
-        if cfg.tie_word_embeddings and torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        if cfg.tie_word_embeddings and torch.equal(
+            tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+        ):
             del tensors["lm_head.weight"]
         else:
             cfg.tie_word_embeddings = False

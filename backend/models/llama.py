@@ -103,7 +103,9 @@ def rope_inv_freq(config: LlamaConfig, rope_freqs: torch.Tensor | None = None) -
         ValueError: an unsupported ``rope_scaling`` type.
     """
     dim = config.rope_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
+    )
     sc = config.rope_scaling
     if rope_freqs is not None:
         # llama.cpp: theta = pos * base^(-2i/d) / freq_factor[i]
@@ -170,12 +172,26 @@ class Linear:
 
     __slots__ = ("w", "onednn", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
 
-    def __init__(self, w: torch.Tensor, q4=None, *, dtype: torch.dtype, device: torch.device, int4_max_rows: int = 0,
-                 prepack: bool = True, int8_small: bool = False):
+    def __init__(
+        self,
+        w: torch.Tensor,
+        q4=None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        int4_max_rows: int = 0,
+        prepack: bool = True,
+        int8_small: bool = False,
+    ):
         self.w = w.to(device=device, dtype=dtype).contiguous()
         self.onednn = onednn_pack(self.w) if prepack else None
         self.w8 = self.w8_scale = None
-        if int8_small and int4_max_rows > 0 and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        if (
+            int8_small
+            and int4_max_rows > 0
+            and dtype == torch.bfloat16
+            and torch.device(device).type == "cpu"
+        ):
             # per-row symmetric int8 (for the LM head, whose GGUF type is not 4-bit): half the bytes of bf16
             wf = w.to(torch.float32)
             scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -190,7 +206,9 @@ class Linear:
             codes, scale, zero = q4
             n, k = codes.shape
             self.group = k // scale.shape[1]
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), 2
+            )
             self.sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,7 +301,13 @@ class LlamaModel:
             self.layers.append(
                 (
                     vec(t.pop(p + "input_layernorm.weight")),
-                    lin([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]),
+                    lin(
+                        [
+                            p + "self_attn.q_proj.weight",
+                            p + "self_attn.k_proj.weight",
+                            p + "self_attn.v_proj.weight",
+                        ]
+                    ),
                     lin([p + "self_attn.o_proj.weight"]),
                     vec(t.pop(p + "post_attention_layernorm.weight")),
                     lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
@@ -295,8 +319,15 @@ class LlamaModel:
             head = t["lm_head.weight"]
         else:
             head = self.embed
-        self.lm_head = Linear(head, None, dtype=dtype, device=dev, prepack=prepack, int4_max_rows=self.int4_max_rows,
-                              int8_small=True)
+        self.lm_head = Linear(
+            head,
+            None,
+            dtype=dtype,
+            device=dev,
+            prepack=prepack,
+            int4_max_rows=self.int4_max_rows,
+            int8_small=True,
+        )
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)
         self._cos = self._sin = None
         self._rope_len = 0
@@ -432,7 +463,9 @@ class LlamaModel:
         cfg = self.config
         if logit_rows is None or logit_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        hl = F.rms_norm(x.index_select(0, logit_rows), (cfg.hidden_size,), self.norm, cfg.rms_norm_eps).to(self.dtype)
+        hl = F.rms_norm(x.index_select(0, logit_rows), (cfg.hidden_size,), self.norm, cfg.rms_norm_eps).to(
+            self.dtype
+        )
         return self.lm_head(hl).float()
 
     def _layers_fused(self, kern, x, positions, kv_caches, attn, meta, max_pos) -> None:

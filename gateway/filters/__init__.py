@@ -24,7 +24,14 @@ from .base import ALL_ROLES, STAGES, Hook, OutputChunk, OutputCut, OutputScanner
 from .blocklist import BlocklistHook
 from .config import DEFAULT_WINDOW, HOOK_TYPES, FilterConfig, HookSpec, parse_config, register_hook_type
 from .pii import PIIHook, find_pii, luhn_ok
-from .pipeline import NO_FILTERS, FilterPipeline, OutputFilter, build_pipeline, content_filter_result, pipeline_for
+from .pipeline import (
+    NO_FILTERS,
+    FilterPipeline,
+    OutputFilter,
+    build_pipeline,
+    content_filter_result,
+    pipeline_for,
+)
 from .webhook import WebhookHook
 from .plugin import TenantFilters
 
@@ -32,10 +39,29 @@ for _cls in (BlocklistHook, PIIHook, WebhookHook):
     register_hook_type(_cls)
 
 __all__ = [
-    "ALL_ROLES", "STAGES", "DEFAULT_WINDOW", "HOOK_TYPES", "NO_FILTERS",
-    "Hook", "OutputChunk", "OutputCut", "OutputScanner", "PromptBlocked",
-    "BlocklistHook", "PIIHook", "WebhookHook",
-    "FilterConfig", "HookSpec", "FilterPipeline", "OutputFilter",
-    "parse_config", "build_pipeline", "pipeline_for", "register_hook_type", "content_filter_result",
-    "find_pii", "luhn_ok", "TenantFilters",
+    "ALL_ROLES",
+    "STAGES",
+    "DEFAULT_WINDOW",
+    "HOOK_TYPES",
+    "NO_FILTERS",
+    "Hook",
+    "OutputChunk",
+    "OutputCut",
+    "OutputScanner",
+    "PromptBlocked",
+    "BlocklistHook",
+    "PIIHook",
+    "WebhookHook",
+    "FilterConfig",
+    "HookSpec",
+    "FilterPipeline",
+    "OutputFilter",
+    "parse_config",
+    "build_pipeline",
+    "pipeline_for",
+    "register_hook_type",
+    "content_filter_result",
+    "find_pii",
+    "luhn_ok",
+    "TenantFilters",
 ]

@@ -115,7 +115,9 @@ class Hook:
     #: Stages a hook of this type supports (a config may choose a subset).
     supported_stages: ClassVar[tuple[str, ...]] = STAGES
 
-    def __init__(self, name: str, stages: tuple[str, ...], roles: tuple[str, ...] = ALL_ROLES, **params: Any) -> None:
+    def __init__(
+        self, name: str, stages: tuple[str, ...], roles: tuple[str, ...] = ALL_ROLES, **params: Any
+    ) -> None:
         self.name = name
         self.stages = frozenset(stages)
         self.roles = frozenset(roles)
@@ -132,7 +134,9 @@ class Hook:
             raise ValueError(f"hook type {cls.type!r}: unknown members {sorted(params)}")
         return {}
 
-    async def check_prompt(self, tenant_id: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    async def check_prompt(
+        self, tenant_id: str | None, messages: list[dict[str, Any]]
+    ) -> list[dict[str, Any]] | None:
         """Before-scheduling point. Return None to allow, a new list to rewrite; raise PromptBlocked to block."""
         return None
 
@@ -157,11 +161,17 @@ def iter_texts(messages: list[dict[str, Any]], roles: frozenset[str] | None = No
             yield role, c
         elif isinstance(c, list):
             for part in c:
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     yield role, part["text"]
 
 
-def map_texts(messages: list[dict[str, Any]], fn, roles: frozenset[str] | None = None) -> list[dict[str, Any]] | None:
+def map_texts(
+    messages: list[dict[str, Any]], fn, roles: frozenset[str] | None = None
+) -> list[dict[str, Any]] | None:
     """Apply ``fn(text) -> text`` to every text segment; return a new list, or None if nothing changed.
 
     The input is never mutated: changed messages (and their part lists) are shallow-copied.
@@ -182,7 +192,11 @@ def map_texts(messages: list[dict[str, Any]], fn, roles: frozenset[str] | None =
             parts = []
             pchanged = False
             for part in c:
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     n = fn(part["text"])
                     if n != part["text"]:
                         part = {**part, "text": n}

@@ -33,7 +33,9 @@ def _str_list(params: dict[str, Any], key: str) -> list[str]:
     return v
 
 
-def compile_blocklist(keywords: list[str], patterns: list[str], case_sensitive: bool) -> re.Pattern[str] | None:
+def compile_blocklist(
+    keywords: list[str], patterns: list[str], case_sensitive: bool
+) -> re.Pattern[str] | None:
     """One alternation regex for all entries, or None when both lists are empty.
 
     Raises:

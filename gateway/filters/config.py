@@ -60,7 +60,13 @@ class HookSpec:
     params: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": self.type, "name": self.name, "stages": list(self.stages), "roles": list(self.roles), **self.params}
+        return {
+            "type": self.type,
+            "name": self.name,
+            "stages": list(self.stages),
+            "roles": list(self.roles),
+            **self.params,
+        }
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,9 @@ def parse_config(obj: Any) -> FilterConfig:
         if name in names:
             raise ValueError(f"{where}: duplicate hook name {name!r}")
         names.add(name)
-        stages = _str_tuple(h.pop("stages", list(cls.supported_stages)), f"{where}.stages", cls.supported_stages)
+        stages = _str_tuple(
+            h.pop("stages", list(cls.supported_stages)), f"{where}.stages", cls.supported_stages
+        )
         roles = _str_tuple(h.pop("roles", list(ALL_ROLES)), f"{where}.roles", ALL_ROLES)
         try:
             params = cls.validate(h)

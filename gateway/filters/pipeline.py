@@ -54,7 +54,9 @@ class OutputFilter:
         sent: characters returned so far.
     """
 
-    def __init__(self, scanners: list[tuple[str, OutputScanner]], window: int, tenant_id: str | None = None) -> None:
+    def __init__(
+        self, scanners: list[tuple[str, OutputScanner]], window: int, tenant_id: str | None = None
+    ) -> None:
         self._scanners = scanners
         self.window = window if scanners else 0
         self.tenant_id = tenant_id
@@ -107,7 +109,9 @@ class OutputFilter:
         self.sent += len(out)
         return out
 
-    async def _chain(self, pending: str, release: int, final: bool) -> tuple[OutputChunk, tuple[int, str, str] | None]:
+    async def _chain(
+        self, pending: str, release: int, final: bool
+    ) -> tuple[OutputChunk, tuple[int, str, str] | None]:
         chunk = OutputChunk(self._context, pending, release, final, self.sent, self.tenant_id)
         for i, (name, sc) in enumerate(self._scanners):
             res = await sc.scan(chunk)
@@ -126,7 +130,7 @@ class OutputFilter:
             out = p[:r]
             self._pending = p[r:]
             self.sent += len(out)
-            self._context = (self._context + out)[-max(self.window, 32):]
+            self._context = (self._context + out)[-max(self.window, 32) :]
             return out
         # Cut: nothing from the cut point on is ever sent. The text before it is re-checked by
         # every hook as final text (a hook earlier in the list may have deferred a match in it).
@@ -168,7 +172,9 @@ class FilterPipeline:
         self.enabled = bool(hooks)
         self.filters_output = bool(self._output_hooks)
 
-    async def check_prompt(self, tenant_id: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def check_prompt(
+        self, tenant_id: str | None, messages: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
         """Run the prompt-stage hooks in order; return the (maybe rewritten) messages.
 
         The input list is never mutated. Call it before templating/tokenizing and scheduling.

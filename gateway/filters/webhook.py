@@ -76,7 +76,9 @@ class WebhookHook(Hook):
         if fail not in ("open", "closed"):
             raise ValueError("webhook: 'fail' must be 'open' or 'closed'")
         headers = params.pop("headers", {})
-        if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
             raise ValueError("webhook: 'headers' must be an object of strings")
         cat = params.pop("category", "moderation")
         if not isinstance(cat, str) or not cat or len(cat) > 64:
@@ -85,7 +87,19 @@ class WebhookHook(Hook):
             raise ValueError(f"webhook: unknown members {sorted(params)}")
         return {"url": url, "timeout_s": float(t), "fail": fail, "headers": headers, "category": cat}
 
-    def __init__(self, name, stages, roles, *, url, timeout_s, fail, headers, category, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        name,
+        stages,
+        roles,
+        *,
+        url,
+        timeout_s,
+        fail,
+        headers,
+        category,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         super().__init__(name, stages, roles)
         self.url = url
         self.timeout_s = timeout_s
@@ -104,7 +118,9 @@ class WebhookHook(Hook):
         try:
             with trio.fail_after(self.timeout_s):
                 if self.client is not None:
-                    r = await self.client.post(self.url, json=payload, headers=self.headers, timeout=self.timeout_s)
+                    r = await self.client.post(
+                        self.url, json=payload, headers=self.headers, timeout=self.timeout_s
+                    )
                 else:
                     async with httpx.AsyncClient(timeout=self.timeout_s) as c:
                         r = await c.post(self.url, json=payload, headers=self.headers)
@@ -136,12 +152,20 @@ class WebhookHook(Hook):
         try:
             return await self.moderate(payload)
         except WebhookError as e:
-            log.warning("moderation webhook %s (hook %r): %s; failing %s", self.url, self.name, e, "open" if self.fail_open else "closed")
+            log.warning(
+                "moderation webhook %s (hook %r): %s; failing %s",
+                self.url,
+                self.name,
+                e,
+                "open" if self.fail_open else "closed",
+            )
             return None if self.fail_open else UNAVAILABLE
 
     async def check_prompt(self, tenant_id, messages):
         text = "\n".join(f"{role}: {t}" for role, t in iter_texts(messages, self.roles))
-        cat = await self.verdict({"stage": "prompt", "tenant_id": tenant_id, "input": text, "messages": messages})
+        cat = await self.verdict(
+            {"stage": "prompt", "tenant_id": tenant_id, "input": text, "messages": messages}
+        )
         if cat is not None:
             raise PromptBlocked(cat, "webhook verdict")
         return None
@@ -161,7 +185,12 @@ class _WebhookScanner(OutputScanner):
         if want <= self.approved_until or not chunk.pending:
             return chunk
         cat = await self.hook.verdict(
-            {"stage": "output", "tenant_id": self.tenant_id, "input": chunk.context + chunk.pending, "offset": chunk.offset - len(chunk.context)}
+            {
+                "stage": "output",
+                "tenant_id": self.tenant_id,
+                "input": chunk.context + chunk.pending,
+                "offset": chunk.offset - len(chunk.context),
+            }
         )
         if cat is not None:
             return OutputCut(0, cat)

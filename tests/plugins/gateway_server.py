@@ -83,7 +83,11 @@ class GatewayProc:
         deadline = time.monotonic() + timeout
         st = self.stats()
         while time.monotonic() < deadline:
-            if st["running"] == 0 and st["waiting"] == 0 and (baseline_kv is None or st["kv_blocks_used"] <= baseline_kv):
+            if (
+                st["running"] == 0
+                and st["waiting"] == 0
+                and (baseline_kv is None or st["kv_blocks_used"] <= baseline_kv)
+            ):
                 return st
             time.sleep(0.05)
             st = self.stats()
@@ -92,7 +96,13 @@ class GatewayProc:
     def openai(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key, max_retries=0, timeout=kw.pop("timeout", 300), **kw)
+        return openai.OpenAI(
+            base_url=self.base_url + "/v1",
+            api_key=self.api_key,
+            max_retries=0,
+            timeout=kw.pop("timeout", 300),
+            **kw,
+        )
 
     def backend_pid(self) -> int | None:
         return self.stats()["backends"][0]["pid"]
@@ -113,12 +123,19 @@ class GatewayProc:
 def _setup_tenancy(gp: GatewayProc) -> None:
     """If the tenancy admin API is served, create a tenant (no limits) and an API key for the tests."""
     A = gp.admin_headers()
-    r = httpx.post(gp.base_url + "/admin/v1/tenants", json={"name": "gateway-tests-" + os.urandom(4).hex()}, headers=A, timeout=30)
+    r = httpx.post(
+        gp.base_url + "/admin/v1/tenants",
+        json={"name": "gateway-tests-" + os.urandom(4).hex()},
+        headers=A,
+        timeout=30,
+    )
     if r.status_code == 404:
         return  # tenancy not wired: no auth, the dummy key is ignored
     assert r.status_code == 201, r.text
     tid = r.json()["id"]
-    r = httpx.post(gp.base_url + f"/admin/v1/tenants/{tid}/keys", json={"name": "tests"}, headers=A, timeout=30)
+    r = httpx.post(
+        gp.base_url + f"/admin/v1/tenants/{tid}/keys", json={"name": "tests"}, headers=A, timeout=30
+    )
     assert r.status_code == 201, r.text
     gp.api_key = r.json()["key"]
     gp.extra["tenant_id"] = tid
@@ -134,8 +151,9 @@ def _die_with_pytest() -> None:
         pass
 
 
-def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = None,
-                  dtype: str | None = "float32") -> GatewayProc:
+def start_gateway(
+    *extra_args: str, heartbeat: float = 1.0, env: dict | None = None, dtype: str | None = "float32"
+) -> GatewayProc:
     """Start ``python -m gateway serve`` on a free port and wait until /readyz is 200.
 
     ``dtype`` is passed as ``--dtype`` (``None``: no flag, the served default).
@@ -147,12 +165,34 @@ def start_gateway(*extra_args: str, heartbeat: float = 1.0, env: dict | None = N
     port = free_port()
     admin_key = "adm-" + os.urandom(8).hex()
     log_path = Path(tmp) / "gateway.log"
-    cmd = [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port), "--admin-key", admin_key,
-           "--db", str(Path(tmp) / "tenancy.sqlite"), "--sse-heartbeat", str(heartbeat),
-           *(["--dtype", dtype] if dtype else []), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--admin-key",
+        admin_key,
+        "--db",
+        str(Path(tmp) / "tenancy.sqlite"),
+        "--sse-heartbeat",
+        str(heartbeat),
+        *(["--dtype", dtype] if dtype else []),
+        *extra_args,
+    ]
     logf = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True, preexec_fn=_die_with_pytest)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=str(ROOT),
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        preexec_fn=_die_with_pytest,
+    )
     gp = GatewayProc(proc=proc, port=port, admin_key=admin_key, log_path=log_path, tmpdir=tmp)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while True:
@@ -211,7 +251,12 @@ class StreamResult:
     body: bytes = b""  # the raw body when the status is not 200
 
     def content(self, index: int = 0) -> str:
-        return "".join((c["delta"].get("content") or "") for e in self.events for c in e.get("choices", []) if c["index"] == index)
+        return "".join(
+            (c["delta"].get("content") or "")
+            for e in self.events
+            for c in e.get("choices", [])
+            if c["index"] == index
+        )
 
     def finish_reasons(self, index: int = 0) -> list:
         return [c["finish_reason"] for e in self.events for c in e.get("choices", []) if c["index"] == index]
@@ -247,6 +292,8 @@ def stream_post(gp: GatewayProc, path: str, body: dict, timeout: float = 300) ->
         return StreamResult(r.status_code, dict(r.headers), events, done, pings)
 
 
-def chat_body(gp: GatewayProc, content: str | list | None = None, *, messages: list | None = None, **kw) -> dict:
+def chat_body(
+    gp: GatewayProc, content: str | list | None = None, *, messages: list | None = None, **kw
+) -> dict:
     msgs = messages if messages is not None else [{"role": "user", "content": content}]
     return {"model": gp.model, "messages": msgs, **kw}
