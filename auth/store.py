@@ -16,9 +16,10 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Callable, TypeVar
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import trio
 
@@ -77,7 +78,7 @@ MIGRATIONS: list[str] = [
 
 
 def utc_day(ts: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if ts is None else ts, timezone.utc).strftime("%Y-%m-%d")
+    return datetime.fromtimestamp(time.time() if ts is None else ts, UTC).strftime("%Y-%m-%d")
 
 
 @dataclass

@@ -25,7 +25,8 @@ import math
 import sys
 import time
 import traceback
-from typing import Any, Hashable, Union
+from collections.abc import Hashable
+from typing import Any, Union
 
 import msgspec
 
@@ -43,7 +44,7 @@ from backend.protocol import (
 )
 from backend.sampling import MAX_TOP_LOGPROBS, ChoiceState, sample
 from backend.scheduler import Scheduler, SchedulerOutput
-from backend.sequence import Sequence, SeqStatus
+from backend.sequence import SeqStatus, Sequence
 
 Message = Union[RequestOutput, RequestError]
 

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from backend.block_manager import BlockManager
-from backend.sequence import Sequence, SeqStatus
+from backend.sequence import SeqStatus, Sequence
 
 
 @dataclass

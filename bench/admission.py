@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import trio
@@ -165,7 +165,7 @@ def main() -> None:
         except Exception:
             cpu = platform.processor()
         entry = (
-            f"\n## Tenancy: auth + admission latency ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
+            f"\n## Tenancy: auth + admission latency ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
             f"Machine: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
             f"redis-server local loopback; load average at the end {os.getloadavg()[0]:.1f} "
             f"(shared machine: p99 is dominated by other processes when the load is high).\nCommand: `.venv/bin/python bench/admission.py --n {args.n} --append-perf`\n"

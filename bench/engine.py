@@ -32,7 +32,7 @@ import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,8 +169,8 @@ def main() -> int:
     prefill_tok_s = args.long_prompt / cold if cold else 0.0
 
     lines = []
-    lines.append(f"| metric | value |")
-    lines.append(f"|---|---|")
+    lines.append("| metric | value |")
+    lines.append("|---|---|")
     for r in rows:
         lines.append(
             f"| aggregate decode tok/s, {r['seqs']} seqs (prompt {args.prompt_len}, output {args.output_len}) | {r['decode_tok_s']:.1f} |"
@@ -204,7 +204,7 @@ def main() -> int:
             pass
         cmd = "python bench/engine.py " + " ".join(sys.argv[1:])
         entry = (
-            f"\n## engine bench {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}\n\n"
+            f"\n## engine bench {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}\n\n"
             f"- machine: {machine}\n- command: `{cmd}`\n- model: {runner.card.name} ({runner.card.quantization}) "
             f"dtype {runner.card.dtype} device {runner.card.device}, attention {runner.card.attention_backend}, "
             f"C++ CPU kernels {'on' if getattr(runner.model, 'cpu_kernels', None) is not None else 'off'}, load {load_s:.1f} s\n\n"

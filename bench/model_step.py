@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def main() -> None:
         cmd = "python bench/model_step.py " + " ".join(sys.argv[1:])
         entry = [
             "",
-            f"## model step (ModelRunner.execute) — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"## model step (ModelRunner.execute) — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             "",
             f"- machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), device {args.device}"

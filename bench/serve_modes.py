@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -147,7 +147,7 @@ def main() -> int:
         load = os.getloadavg()[0]
         cmd = "python bench/serve_modes.py " + " ".join(sys.argv[1:])
         entry = (
-            f"\n### HTTP serve bench by mode {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+            f"\n### HTTP serve bench by mode {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n\n"
             f"- machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs, load avg {load:.1f} at the end\n"
             f"- command: `{cmd}` (prompt {args.prompt_tokens} / output {args.output_tokens} tokens, streaming, closed loop)\n\n"
             f"{table}\n"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -85,7 +85,7 @@ def _parse_time(v: str | None, name: str) -> float | None:
     except ValueError:
         raise InvalidRequest(f"{name} must be UNIX seconds or an ISO-8601 date/time", param=name) from None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
 
 
@@ -152,7 +152,7 @@ def validate_filters(obj: Any) -> Any:
     return obj
 
 
-def admin_routes(tenancy: "Tenancy") -> list[Route]:
+def admin_routes(tenancy: Tenancy) -> list[Route]:
     """Starlette routes of the admin API bound to ``tenancy`` (mount under ``/admin/v1``)."""
     store = tenancy.store
 
@@ -350,7 +350,7 @@ def admin_routes(tenancy: "Tenancy") -> list[Route]:
     ]
 
 
-def tenant_routes(tenancy: "Tenancy") -> list[Route]:
+def tenant_routes(tenancy: Tenancy) -> list[Route]:
     """``GET /v1/usage?since=&until=``: the calling tenant's own usage (tenant key; never another tenant's)."""
 
     async def my_usage(request: Request):

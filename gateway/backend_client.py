@@ -154,7 +154,7 @@ class RequestHandle:
         "first_rx",
     )
 
-    def __init__(self, client: "BackendClient", request_id: str, n: int, buffer: int) -> None:
+    def __init__(self, client: BackendClient, request_id: str, n: int, buffer: int) -> None:
         self.request_id = request_id
         self.n = n
         self._client = client
@@ -220,7 +220,7 @@ class RequestHandle:
             self._client.abort(self.request_id)
         self._recv.close()
 
-    def __enter__(self) -> "RequestHandle":
+    def __enter__(self) -> RequestHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -264,7 +264,7 @@ class BackendClient:
     @classmethod
     async def connect(
         cls, url: str, *, timeout: float = 30.0, request_buffer: int = DEFAULT_REQUEST_BUFFER
-    ) -> "BackendClient":
+    ) -> BackendClient:
         """Connect to ``url``, send ``Hello``, wait for ``Ready``.
 
         Raises:

@@ -21,7 +21,8 @@ Usage (outermost, so it also wraps auth and error handlers)::
 from __future__ import annotations
 
 import os
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -19,7 +19,7 @@ Special tokens are skipped by default (``skip_special_tokens=True``, the OpenAI-
 from __future__ import annotations
 
 import codecs
-from typing import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 __all__ = ["IncrementalDetokenizer"]
 
@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
         self._done = False
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, *, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def for_tokenizer(cls, tokenizer, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """Build from a ``templating.TextTokenizer`` (its byte table and special ids)."""
         return cls(tokenizer.id_to_bytes, tokenizer.special_ids, skip_special_tokens=skip_special_tokens)
 

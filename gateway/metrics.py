@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:  # pragma: no cover
-    from backend.protocol import Stats
     from gateway.request_log import RequestRecord
 
 log = logging.getLogger("gateway.metrics")
@@ -556,7 +556,7 @@ def sample_sum(samples: dict, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------------- wiring
 
 
-def pool_stats_source(pool: Any, metrics: "GatewayMetrics | None" = None) -> StatsSource:
+def pool_stats_source(pool: Any, metrics: GatewayMetrics | None = None) -> StatsSource:
     """A stats source over a ``BackendPool``: ``{supervisor.name: (Stats, supervisor.restarts)}`` of its live clients.
 
     Also keeps ``metrics.model_name`` in step with the pool's model card. A
@@ -589,7 +589,7 @@ def instrument(
     log_content: bool = False,
     access_log: str | None = None,
     ollama: bool = True,
-    metrics: "GatewayMetrics | None" = None,
+    metrics: GatewayMetrics | None = None,
 ) -> Any:
     """Wire observability into a built Starlette app in one call; returns the ASGI app to serve.
 
@@ -605,11 +605,11 @@ def instrument(
         gw: its ``Gateway`` (``app.state.gateway`` when None).
         tenant_label, log_content: the ``--metrics-tenant-label`` / ``--log-content`` flags.
     """
+    import os
+
     from starlette.routing import Route
 
     from gateway.request_log import ObservabilityMiddleware, configure_access_log
-
-    import os
 
     if gw is None:
         gw = app.state.gateway

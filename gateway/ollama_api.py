@@ -44,8 +44,9 @@ import hashlib
 import json
 import os
 import time
-from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -189,7 +190,7 @@ def _openai_body(body: dict, messages: list[dict]) -> dict:
 
 def now_rfc3339() -> str:
     """Current UTC time as Ollama writes ``created_at`` (RFC 3339, microseconds, ``Z``)."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def _ns(seconds: float | None) -> int:
@@ -549,7 +550,7 @@ class OllamaAPI:
         return {
             "name": name,
             "model": name,
-            "modified_at": datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "modified_at": datetime.fromtimestamp(mtime, UTC).isoformat().replace("+00:00", "Z"),
             "size": size,
             "digest": digest,
             "details": self._details(card),

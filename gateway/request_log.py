@@ -35,8 +35,9 @@ import re
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from backend.protocol import Timings, Usage
@@ -234,7 +235,7 @@ class RequestRecord:
     def log_fields(self) -> dict[str, Any]:
         """The access-log line as a dict (JSON-serialisable)."""
         d: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(self.wall_arrival, timezone.utc)
+            "ts": datetime.fromtimestamp(self.wall_arrival, UTC)
             .isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
             "request_id": self.request_id,

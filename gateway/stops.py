@@ -18,7 +18,8 @@ character.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from gateway.errors import InvalidRequest
 

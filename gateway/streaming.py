@@ -20,7 +20,8 @@ at once. Headers: ``Cache-Control: no-cache`` and ``X-Accel-Buffering: no``
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import trio

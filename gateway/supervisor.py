@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -197,7 +197,7 @@ class BackendSupervisor:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
-    async def _start_process(self) -> "_Proc":
+    async def _start_process(self) -> _Proc:
         spec = self.spawn
         assert spec is not None
         sock = self.url[5:]
@@ -217,7 +217,7 @@ class BackendSupervisor:
             )
         )
 
-    async def _watch_process(self, proc: "_Proc", scope: trio.CancelScope) -> None:
+    async def _watch_process(self, proc: _Proc, scope: trio.CancelScope) -> None:
         rc = await proc.wait()
         self.last_error = f"backend process exited with code {rc}"
         log.warning("%s: %s", self.name, self.last_error)

@@ -137,7 +137,7 @@ def nvrtc_compile(cfg: KernelConfig, arch: str) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_module(cfg: KernelConfig):
     """The ``cupy.RawModule`` for ``cfg``, compiled for the current device (cached in-process and on disk)."""
     import cupy  # lazy
@@ -145,7 +145,7 @@ def get_module(cfg: KernelConfig):
     return cupy.RawModule(code=source(), options=compile_options(cfg), name_expressions=None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_function(cfg: KernelConfig, name: str):
     """A ``cupy.RawKernel`` (``name`` in ``KERNEL_NAMES``) of the module for ``cfg``."""
     if name not in KERNEL_NAMES:

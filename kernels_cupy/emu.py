@@ -44,7 +44,7 @@ int main() { std::barrier<> b(1); b.arrive_and_wait(); _Float16 h = (_Float16)1.
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def usable_compiler() -> str | None:
     """A compiler that builds the emulator's C++20 (``<barrier>``, ``_Float16``), or None (tests skip then)."""
     cxx = compiler()
@@ -59,7 +59,7 @@ def usable_compiler() -> str | None:
         return cxx if r.returncode == 0 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build(cfg: KernelConfig) -> ctypes.CDLL:
     """Compile (cached under the temp dir, keyed by source hash + config) and load the emulator library."""
     cxx = usable_compiler()

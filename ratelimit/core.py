@@ -50,7 +50,7 @@ class Limits:
     window_s: float = DEFAULT_WINDOW_S
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "Limits":
+    def from_dict(cls, d: dict[str, Any] | None) -> Limits:
         """Validate and build; raises ValueError naming the bad field."""
         d = dict(d or {})
         kw: dict[str, Any] = {}

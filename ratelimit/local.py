@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .core import Dim, DimResult, Outcome
 

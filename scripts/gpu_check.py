@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
@@ -436,11 +435,9 @@ def _runner(backend_name: str):
 
 
 def check_e2e(quick: bool) -> None:
-    import torch
 
     try:
         from backend.batch import SeqChunk
-        from backend.model_runner import ModelRunner
     except Exception as e:  # noqa: BLE001
         row("e2e", "skipped", f"backend.model_runner not importable ({type(e).__name__}: {e})")
         return
@@ -519,11 +516,9 @@ def check_e2e(quick: bool) -> None:
 
 
 def check_engine(quick: bool) -> None:
-    import torch
 
     try:
         from backend.engine import Engine
-        from backend.model_runner import ModelRunner
         from backend.protocol import SamplingParams, Submit
     except Exception as e:  # noqa: BLE001
         row("engine", "skipped", f"backend.engine API not available ({type(e).__name__}: {e})")

@@ -37,10 +37,11 @@ import json
 import logging
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 from jinja2 import nodes

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 __all__ = ["TextTokenizer", "load_tokenizer", "cached_tokenizer", "bytes_to_unicode"]
 

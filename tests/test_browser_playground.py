@@ -25,7 +25,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from test_filters_http import (
     COUNT,
     CUT_FILTERS,

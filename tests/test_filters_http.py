@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from plugins.gateway_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from plugins.gateway_server import chat_body, post_json, stream_post
 
 CHAT = "/v1/chat/completions"

@@ -10,8 +10,8 @@ running or holding KV blocks afterwards.
 from __future__ import annotations
 
 import pytest
-
 from plugins.gateway_server import post_json, stream_post
+
 from templating import cached_tokenizer
 
 CHAT = "/v1/chat/completions"

@@ -18,7 +18,6 @@ import time
 import httpx
 import pytest
 import trio
-
 from plugins.gateway_server import chat_body, post_json, stream_post
 
 CHAT = "/v1/chat/completions"

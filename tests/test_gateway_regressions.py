@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-
 from plugins.gateway_server import chat_body, post_json
 
 

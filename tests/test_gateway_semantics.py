@@ -13,7 +13,6 @@ import concurrent.futures as cf
 import json
 
 import pytest
-
 from plugins.gateway_server import chat_body, post_json, stream_post
 
 CHAT = "/v1/chat/completions"
@@ -290,8 +289,8 @@ def test_same_role_twice_text_parts_and_assistant_prefill(gateway):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[1].type"
     assert bad.json()["error"]["type"] == "invalid_request_error"
     # assistant prefill: the prompt ends with "The fruit is" (no end marker, no new header): same as a raw completion of that text
-    from templating import ChatTemplate, cached_tokenizer
     from backend.model_path import default_model_path
+    from templating import ChatTemplate, cached_tokenizer
 
     tok = cached_tokenizer(default_model_path())
     prompt = ChatTemplate(tok).render(fruit, add_generation_prompt=False, continue_final_message=True)

@@ -7,8 +7,8 @@ shuffled block tables, block sizes 8/16/32, NaN-poisoned outputs. Needs only a C
 from __future__ import annotations
 
 import dataclasses
-import zlib
 import sys
+import zlib
 from pathlib import Path
 
 import pytest

@@ -15,7 +15,6 @@ import ollama
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.routing import Route
 
 from backend.protocol import ModelCard, Timings, Usage
 from gateway.errors import APIError, AuthenticationError, RateLimited

@@ -12,6 +12,7 @@ import logging
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -19,8 +20,6 @@ from starlette.routing import Route
 
 from backend.protocol import Stats, Timings, Usage
 from gateway.errors import APIError, ContentFiltered, RateLimited
-from prometheus_client import generate_latest
-
 from gateway.metrics import GatewayMetrics, parse_exposition, sample_sum
 from gateway.request_log import ACCESS_LOGGER_NAME, ObservabilityMiddleware, get_record, valid_request_id
 

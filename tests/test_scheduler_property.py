@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from backend.block_manager import BlockManager
 from backend.scheduler import Scheduler
-from backend.sequence import Sequence, SeqStatus
+from backend.sequence import SeqStatus, Sequence
 
 
 def next_token(tokens: list[int]) -> int:

@@ -229,7 +229,7 @@ async def test_limits_and_filters_via_admin(env):
     assert (
         await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"bogus": 1}, headers=A)
     ).status_code == 400
-    assert (await c.get(f"/admin/v1/tenants/lim/limits", headers=A)).json()["rpm"] == 2  # name works as id
+    assert (await c.get("/admin/v1/tenants/lim/limits", headers=A)).json()["rpm"] == 2  # name works as id
     codes = [
         (await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))).status_code
         for _ in range(4)

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from backend.attention.base import AttentionMetadata
 
-
 #: cache dtypes the C++ decode kernel reads (a float16 cache, allowed on CPU, takes the torch path)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -32,8 +32,8 @@ from .pipeline import (
     content_filter_result,
     pipeline_for,
 )
-from .webhook import WebhookHook
 from .plugin import TenantFilters
+from .webhook import WebhookHook
 
 for _cls in (BlocklistHook, PIIHook, WebhookHook):
     register_hook_type(_cls)

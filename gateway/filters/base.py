@@ -69,7 +69,7 @@ class OutputChunk:
     offset: int
     tenant_id: str | None = None
 
-    def with_pending(self, pending: str, release: int) -> "OutputChunk":
+    def with_pending(self, pending: str, release: int) -> OutputChunk:
         """A copy with rewritten ``pending`` and ``release`` (clamped to ``[0, len(pending)]``)."""
         return replace(self, pending=pending, release=max(0, min(release, len(pending))))
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked, map_texts, iter_texts
+from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked, iter_texts, map_texts
 
 KINDS = ("email", "phone", "card")
 

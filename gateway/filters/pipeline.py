@@ -227,7 +227,7 @@ def build_pipeline(config: FilterConfig, *, http_client: httpx.AsyncClient | Non
 
 NO_FILTERS = FilterPipeline(FilterConfig(), [])
 
-_CACHE: "OrderedDict[str, FilterPipeline]" = OrderedDict()
+_CACHE: OrderedDict[str, FilterPipeline] = OrderedDict()
 _CACHE_SIZE = 256
 
 
