@@ -32,16 +32,17 @@ import math
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import trio
 
 from auth.keys import digest_equal, hash_key
 from auth.ledger import UsageLedger
+from auth.principal import Principal
 from auth.store import AsyncStore, KeyRecord, Store, TenantRecord, utc_day
 from gateway.errors import APIError, AuthenticationError, PermissionDenied, RateLimited, ServiceUnavailable
-from ratelimit.core import Dim, DimResult, Limits, build_dims, headers_for
+from ratelimit.core import Dim, DimResult, build_dims, headers_for
 from ratelimit.local import LocalLimiter
 from ratelimit.resp import RedisError
 
@@ -73,34 +74,6 @@ PUBLIC_PREFIXES = ("/static/",)
 
 
 # ---------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: a tenant key that passed authentication.
-
-    Attributes:
-        tenant_id, tenant_name: the tenant.
-        key_id: public id of the key (``key_...``); key_prefix: its visible first characters (``sk-gw-AbCd``).
-        limits: the tenant's limits; key_limits: the key's own limits (or None).
-        filters: the tenant's opaque filter config (JSON value; interpreted by gateway.filters).
-    """
-
-    tenant_id: str
-    tenant_name: str
-    key_id: str
-    key_prefix: str
-    limits: Limits
-    key_limits: Limits | None = None
-    filters: Any = field(default_factory=dict)
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {
-            "limits": self.limits.to_dict(),
-            "key_limits": self.key_limits.to_dict() if self.key_limits else None,
-            "filters": self.filters,
-        }
-
-
 def _headers_of(request: Any) -> list[tuple[bytes, bytes]]:
     scope = request if isinstance(request, Mapping) else request.scope
     return scope.get("headers") or []
@@ -212,7 +185,7 @@ class Reservation:
 
     def __init__(
         self,
-        tenancy: "Tenancy",
+        tenancy: Tenancy,
         principal: Principal,
         dims: list[Dim],
         member: str,
@@ -334,7 +307,7 @@ class Reservation:
 class _Admit:
     """Async context manager returned by :meth:`Tenancy.admit`."""
 
-    def __init__(self, tenancy: "Tenancy", principal: Principal, kw: dict[str, Any]) -> None:
+    def __init__(self, tenancy: Tenancy, principal: Principal, kw: dict[str, Any]) -> None:
         self.tenancy, self.principal, self.kw = tenancy, principal, kw
         self.res: Reservation | None = None
 
@@ -398,7 +371,7 @@ class Tenancy:
     # -- lifecycle ----------------------------------------------------------------------------------------
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, db_path: str = DEFAULT_DB_PATH, **kw: Any) -> AsyncIterator["Tenancy"]:
+    async def open(cls, db_path: str = DEFAULT_DB_PATH, **kw: Any) -> AsyncIterator[Tenancy]:
         """``async with Tenancy.open(path, redis_url=..., admin_key=...) as t:`` -- opens the DB (migrating
         it), starts the ledger writer, and on exit flushes the ledger and closes everything."""
         self = cls(db_path, **kw)

@@ -1,0 +1,54 @@
+"""``GenerationRequest``: one API request parsed once, whichever API it came through.
+
+The OpenAI chat and completion handlers and the Ollama chat and generate handlers each turn their body into
+this one struct (validated, templated, tokenized, limits resolved), then hand it to a run
+(``gateway.generation.run``) and a renderer for their API. Nothing after parsing looks at the raw body.
+
+Fields:
+    request_id: the public id (``chatcmpl-…``, ``cmpl-…``) and the backend request id.
+    api: which API the request came through (``"openai"`` or ``"ollama"``): a metrics/log label only.
+    model: the served model name the client asked for.
+    prompt_ids: prompt token ids (list[int], after the chat template).
+    sampling: backend sampling parameters: ``n``, ``max_tokens`` (resolved against the context), penalties,
+        seed, ``logprobs``/``top_logprobs``...
+    stops: stop strings (normalized, non-empty); include_stop: keep the matched stop string in the text.
+    stream: the client asked for a stream; include_usage: OpenAI ``stream_options.include_usage``.
+    principal: the authenticated tenant key, or None without tenancy.
+    prompt_log: the prompt as the client sent it (messages or text), for the access log with
+        ``--log-content`` only.
+    t_arrival: ``time.perf_counter()`` at arrival (TTFT and total durations start here).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from auth.principal import Principal
+from backend.protocol import SamplingParams
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    api: Literal["openai", "ollama"]
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stops: list[str] = []
+    include_stop: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    principal: Principal | None = None
+    prompt_log: Any = None
+    t_arrival: float = 0.0
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant's id, "" without tenancy (also the prefix-cache salt: tenants never share KV)."""
+        return self.principal.tenant_id if self.principal is not None else ""
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens the admission reserves for this request: prompt + max_tokens for each of the n choices."""
+        return len(self.prompt_ids) + self.sampling.max_tokens * self.sampling.n
