@@ -49,7 +49,7 @@ from gateway.errors import (
     PermissionDenied,
     ServiceUnavailable,
 )
-from gateway.generation import Generation
+from gateway.generation.run import Generation
 from gateway.schemas import (
     MAX_COMPLETION_LOGPROBS,
     MAX_TOP_LOGPROBS,
