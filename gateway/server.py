@@ -27,8 +27,9 @@ from typing import Any
 import msgspec
 import trio
 
-from gateway.app import Gateway, GatewayConfig, build_app
+from gateway.app import build_app
 from gateway.backend_client import DEFAULT_REQUEST_BUFFER
+from gateway.state import Gateway, GatewayConfig
 from gateway.supervisor import BackendPool, BackendSupervisor, SpawnSpec
 
 log = logging.getLogger("gateway")

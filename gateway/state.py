@@ -1,0 +1,137 @@
+"""Process-wide gateway state: ``GatewayConfig`` (HTTP-side tunables) and ``Gateway`` (collaborators read by
+the handlers: backend pool, tokenizer, chat template, tenancy, filters, metrics)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from typing import Any
+
+import msgspec
+import trio
+from starlette.requests import Request
+
+from backend.protocol import ModelCard
+from gateway.errors import AuthenticationError, NotFound, PermissionDenied, ServiceUnavailable
+
+
+class GatewayConfig(msgspec.Struct, kw_only=True):
+    """Tunables of the HTTP side (CLI flags of ``python -m gateway serve``)."""
+
+    max_body_bytes: int = 4 * 1024 * 1024  # bytes
+    heartbeat_s: float = 5.0  # seconds between ": ping" comments while no token arrives
+    backend_wait_s: float = 30.0  # seconds a new request waits for a (re)starting backend before 503
+    admin_key: str | None = None
+    served_model_names: list[str] = []  # extra names accepted in "model"
+    # prompts with more characters than this are templated + tokenized in a worker thread (the Rust
+    # tokenizer releases the GIL), so a burst of arrivals does not stall token streaming; 0 = always inline
+    thread_tokenize_chars: int = 8192
+    # observability (docs/observability.md): tenant label on /metrics counters, prompt/output text in the
+    # access log (debug only), access-log destination ("-" stderr, a path, "off")
+    metrics_tenant_label: bool = False
+    log_content: bool = False
+    access_log: str | None = "-"
+
+
+class Gateway:
+    """Process-wide state, read-only for handlers: config, backend pool, tokenizer/template, plug-ins."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: Any,
+        tokenizer: Any,
+        template: Any,
+        *,
+        tenancy: Any = None,
+        filters: Any = None,
+        metrics: Any = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.template = template
+        self.tenancy = tenancy
+        self.filters = filters
+        self.metrics = metrics
+        self.started = int(time.time())
+        self._token_str: dict[int, str] = {}
+        self._tok_limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
+
+    async def tokenize(self, fn: Any, chars: int) -> Any:
+        """Run ``fn`` (templating/tokenizing, CPU-bound) inline for short prompts, else in a worker thread
+        (at most ``cpu_count`` at once). Exceptions (``InvalidRequest``...) propagate unchanged."""
+        limit = self.config.thread_tokenize_chars
+        if limit <= 0 or chars <= limit:
+            return fn()
+        return await trio.to_thread.run_sync(fn, limiter=self._tok_limiter)
+
+    def token_str(self, tid: int) -> str:
+        """Printable text of one token (its bytes decoded with U+FFFD for partial UTF-8), cached."""
+        s = self._token_str.get(tid)
+        if s is None:
+            s = self.tokenizer.id_to_bytes[tid].decode("utf-8", errors="replace")
+            self._token_str[tid] = s
+        return s
+
+    @property
+    def card(self) -> ModelCard:
+        """The backends' model card. Raises ``ServiceUnavailable`` (503) while no backend is ready."""
+        card = self.pool.card
+        if card is None:
+            raise ServiceUnavailable("No inference backend is ready yet.")
+        return card
+
+    def model_names(self) -> list[str]:
+        card = self.pool.card
+        names = [card.name] if card is not None else []
+        return names + [n for n in self.config.served_model_names if n not in names]
+
+    def check_model(self, model: str) -> str:
+        """The served name for ``model``. Raises ``NotFound`` (404, param model) for an unknown model."""
+        names = self.model_names()
+        if model in names:
+            return model
+        raise NotFound(
+            f"The model '{model}' does not exist. Available: {', '.join(names)}.",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def authenticate(self, request: Request) -> Any:
+        if self.tenancy is None:
+            return None
+        return await self.tenancy.authenticate(request)
+
+    def admission(self, principal: Any, prompt_tokens: int, max_tokens: int, model: str) -> Any:
+        """``factory(request_id)`` -> tenancy admission context (429 ``RateLimited`` on enter), or None."""
+        if self.tenancy is None or principal is None:
+            return None
+        tenancy = self.tenancy
+        return lambda rid: tenancy.admit(
+            principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=rid
+        )
+
+    def output_filter(self, principal: Any) -> Any:
+        """``factory()`` -> a per-choice output filter for this tenant, or None (no output-stage hook)."""
+        if self.filters is None:
+            return None
+        if self.filters.output_filter(principal) is None:
+            return None
+        return lambda: self.filters.output_filter(principal)
+
+    async def check_admin(self, request: Request) -> None:
+        """Bearer admin key check. Raises AuthenticationError (401) / PermissionDenied (403)."""
+        if self.tenancy is not None:
+            await self.tenancy.require_admin(request)
+            return
+        key = self.config.admin_key
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer "):
+            raise AuthenticationError("Missing admin key (Authorization: Bearer <admin key>).")
+        given = auth[7:].strip()
+        if key is None or not hmac.compare_digest(given.encode(), key.encode()):
+            if self.tenancy is not None:
+                raise PermissionDenied("This key may not use admin routes.", code="not_admin")
+            raise AuthenticationError("Incorrect admin key provided.")
