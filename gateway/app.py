@@ -28,7 +28,6 @@ import time
 from typing import Any
 
 import msgspec
-import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -42,10 +41,10 @@ from gateway.errors import (
     InternalError,
     InvalidRequest,
     NotFound,
-    PayloadTooLarge,
     ServiceUnavailable,
 )
 from gateway.generation.run import Generation
+from gateway.request_body import read_body
 from gateway.schemas import (
     MAX_COMPLETION_LOGPROBS,
     MAX_TOP_LOGPROBS,
@@ -83,42 +82,6 @@ def _record(request: Request) -> Any:
         return request.scope.get(SCOPE_KEY)
     except Exception:  # noqa: BLE001
         return None
-
-
-DRAIN_BYTES = 64 * 1024 * 1024  # bytes of an oversized body read and dropped before answering 413
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, counted while read. Raises ``PayloadTooLarge`` (413) beyond ``limit`` bytes,
-    whether announced by Content-Length or sent chunked."""
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.strip().isdigit() and int(cl) > limit:
-        raise PayloadTooLarge(
-            f"Request body of {int(cl)} bytes exceeds the limit of {limit} bytes.", code="request_too_large"
-        )
-    parts: list[bytes] = []
-    size = 0
-    stream = request.stream()
-    async for chunk in stream:
-        size += len(chunk)
-        if size > limit:
-            # Read (and drop) the rest for a bounded time/size so that the client, still sending, gets to read
-            # the 413; past the bound the connection is closed after the answer.
-            headers = {}
-            with trio.move_on_after(10) as scope:
-                async for more in stream:
-                    size += len(more)
-                    if size > limit + DRAIN_BYTES:
-                        headers = {"connection": "close"}
-                        break
-            if scope.cancelled_caught:
-                headers = {"connection": "close"}
-            raise PayloadTooLarge(
-                f"Request body exceeds the limit of {limit} bytes.", code="request_too_large", headers=headers
-            )
-        if chunk:
-            parts.append(chunk)
-    return b"".join(parts)
 
 
 def resolve_max_tokens(

@@ -636,6 +636,7 @@ def instrument(
             lambda: getattr(pool, "card", None),
             getattr(gw, "authenticate", None),
             getattr(gw, "model_names", None),
+            max_body_bytes=gw.config.max_body_bytes,
         ).routes()
     have = {getattr(r, "path", None) for r in app.router.routes}
     app.router.routes.extend(r for r in routes if r.path not in have)

@@ -53,6 +53,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.errors import APIError, InvalidRequest, NotFound
+from gateway.request_body import decode_json, read_body
 from gateway.request_log import get_record
 
 NDJSON = "application/x-ndjson"
@@ -442,6 +443,7 @@ class OllamaAPI:
         authenticate: ``async (request) -> Any`` raising ``APIError``; guards /api/tags, /api/show, /api/ps
             (chat/generate are authenticated by the pipeline). None: those routes are open.
         model_names: served model names (aliases included); default: the card's name.
+        max_body_bytes: the largest body /api/chat, /api/generate and /api/show read (413 beyond, as /v1).
     """
 
     def __init__(
@@ -450,7 +452,9 @@ class OllamaAPI:
         model_card: Callable[[], Any],
         authenticate: Callable[[Request], Awaitable[Any]] | None = None,
         model_names: Callable[[], list[str]] | None = None,
+        max_body_bytes: int = 4 * 1024 * 1024,
     ) -> None:
+        self.max_body_bytes = max_body_bytes
         self.chat_endpoint = chat_endpoint
         self.model_card = model_card
         self.authenticate = authenticate
@@ -481,10 +485,7 @@ class OllamaAPI:
         rec = get_record(request)
         rec.api = "ollama"
         try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                raise InvalidRequest("request body is not valid JSON") from None
+            body = decode_json(await read_body(request, self.max_body_bytes))
             empty = isinstance(body, dict) and (
                 (kind == "generate" and not body.get("prompt") and not body.get("system"))
                 or (kind == "chat" and not body.get("messages"))
@@ -599,10 +600,13 @@ class OllamaAPI:
         if (err := await self._auth(request)) is not None:
             return err
         try:
-            body = await request.json()
-            name = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
-        except (ValueError, UnicodeDecodeError):
-            name = None
+            body = decode_json(await read_body(request, self.max_body_bytes))
+        except InvalidRequest:
+            body = None
+        except APIError as exc:
+            get_record(request).set_error(exc.type, exc.code)
+            return error_response(exc)
+        name = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
         card = self._card()
         if not name or not card or name != card.get("name"):
             return JSONResponse(
