@@ -76,15 +76,22 @@ class ResponseWriter:
             await self.event(_json.encode(exc.body()))
             await self.done()
 
-    async def start(self, headers: dict[str, str] | None = None) -> None:
-        """Send 200 + SSE headers (idempotent)."""
+    async def start(
+        self, headers: dict[str, str] | None = None, *, media: list[tuple[bytes, bytes]] = SSE_HEADERS
+    ) -> None:
+        """Send 200 + ``media`` headers (SSE by default; e.g. NDJSON ones) + ``headers`` (idempotent)."""
         if self.started:
             return
         self.started = True
         self.status = 200
-        await self._send(
-            {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + _hdrs(headers)}
-        )
+        await self._send({"type": "http.response.start", "status": 200, "headers": media + _hdrs(headers)})
+
+    async def end(self, data: bytes = b"") -> None:
+        """Send ``data`` as the last bytes of a body its caller frames (NDJSON: no ``[DONE]``)."""
+        if self.finished:
+            return
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def event(self, data: bytes) -> None:
         """Send one ``data:`` event (``data`` is the JSON payload, no newlines)."""
