@@ -28,9 +28,10 @@ import msgspec
 import trio
 
 from gateway.app import build_app
-from gateway.backend_client import DEFAULT_REQUEST_BUFFER
+from gateway.backends.pool import BackendPool
+from gateway.backends.request import DEFAULT_REQUEST_BUFFER
+from gateway.backends.supervisor import BackendSupervisor, SpawnSpec
 from gateway.state import Gateway, GatewayConfig
-from gateway.supervisor import BackendPool, BackendSupervisor, SpawnSpec
 
 log = logging.getLogger("gateway")
 

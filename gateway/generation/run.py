@@ -34,7 +34,7 @@ import msgspec
 import trio
 
 from backend.protocol import RequestOutput, SamplingParams, Submit, Timings
-from gateway.backend_client import BackendUnavailable, RequestHandle
+from gateway.backends.request import BackendUnavailable, RequestHandle
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import APIError, InternalError
 from gateway.schemas import (

@@ -1,4 +1,4 @@
-"""``BackendSupervisor`` (one per backend) and ``BackendPool`` (picks one per request).
+"""``BackendSupervisor``: one per backend (``BackendPool`` in gateway/backends/pool.py picks one per request).
 
 A supervisor owns one backend: either a process it spawns
 (``python -m backend --model PATH --listen unix:SOCK ...``) or an external
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from gateway.backend_client import DEFAULT_REQUEST_BUFFER, BackendClient, BackendUnavailable
+from gateway.backends.client import BackendClient
+from gateway.backends.request import DEFAULT_REQUEST_BUFFER, BackendUnavailable
 
 log = logging.getLogger("gateway.supervisor")
 
@@ -65,7 +66,7 @@ class _Proc:
         return self.popen.poll()
 
     async def wait(self) -> int:
-        while self.popen.poll() is None:
+        while self.popen.poll() is None:  # noqa: ASYNC110 - a child exit sets no Trio event; polling is the wait
             await trio.sleep(0.05)
         return self.popen.returncode
 
@@ -172,7 +173,7 @@ class BackendSupervisor:
                     log.warning("%s failed: %s", self.name, self.last_error)
                 finally:
                     if self.client is not None:
-                        self.client._close_all()
+                        self.client.close_all()
                     self.client = None
                     self.ready_event = trio.Event()
                     with trio.CancelScope(shield=True):
@@ -212,7 +213,7 @@ class BackendSupervisor:
         # Popen runs here, in the Trio thread: PR_SET_PDEATHSIG fires when the *forking thread* exits, so a
         # worker thread (what trio.lowlevel.open_process uses) would kill the backend when it is recycled.
         return _Proc(
-            subprocess.Popen(
+            subprocess.Popen(  # noqa: ASYNC220 - must fork in this thread (PR_SET_PDEATHSIG, above)
                 cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
             )
         )
@@ -273,60 +274,3 @@ class BackendSupervisor:
                 await proc.wait()
         if self._cancel is not None:
             self._cancel.cancel()
-
-
-class BackendPool:
-    """All supervised backends; ``pick()`` returns the ready client with the fewest requests in flight."""
-
-    def __init__(self, supervisors: list[BackendSupervisor], *, wait_timeout: float = 30.0) -> None:
-        self.supervisors = supervisors
-        self.wait_timeout = wait_timeout
-        self.draining = False
-
-    @property
-    def card(self):
-        """Model card of a ready backend, or of the last one seen (None before the first Ready)."""
-        for s in self.supervisors:
-            if s.client is not None:
-                self._last_card = s.client.card
-                return s.client.card
-        return getattr(self, "_last_card", None)
-
-    @property
-    def ready(self) -> BackendClient | None:
-        for s in self.supervisors:
-            if s.client is not None and s.client.alive:
-                return s.client
-        return None
-
-    def is_ready(self) -> bool:
-        return not self.draining and self.ready is not None
-
-    async def pick(self) -> BackendClient:
-        """Least-loaded ready client; waits up to ``wait_timeout`` s for one. Raises ``BackendUnavailable``."""
-        if self.draining:
-            raise BackendUnavailable("The gateway is shutting down.")
-        live = [s.client for s in self.supervisors if s.client is not None and s.client.alive]
-        if live:
-            return min(live, key=lambda c: c.in_flight)
-        if len(self.supervisors) == 1:
-            return await self.supervisors[0].wait_client(self.wait_timeout)
-        with trio.move_on_after(self.wait_timeout):
-            while True:
-                live = [s.client for s in self.supervisors if s.client is not None and s.client.alive]
-                if live:
-                    return min(live, key=lambda c: c.in_flight)
-                await trio.sleep(0.05)
-        raise BackendUnavailable("No inference backend is ready; retry shortly.")
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run every supervisor; ``started()`` once the first backend is ready."""
-        async with trio.open_nursery() as nursery:
-            for s in self.supervisors:
-                await nursery.start(s.run) if s is self.supervisors[0] else nursery.start_soon(s.run)
-            task_status.started()
-
-    async def stop(self, grace: float = 10.0) -> None:
-        async with trio.open_nursery() as nursery:
-            for s in self.supervisors:
-                nursery.start_soon(s.stop, grace)

@@ -33,7 +33,6 @@ import itertools
 import logging
 import math
 import time
-from typing import Any
 
 import trio
 
@@ -41,190 +40,31 @@ from backend.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Fatal,
+    FrameDecoder,
+    FromBackend,
     GetStats,
     Hello,
     ProtocolError,
     Ready,
     RequestError,
-    RequestOutput,
     Shutdown,
     Stats,
     StepOutputs,
     Submit,
+    ToBackend,
     encode_frame,
     from_backend_decoder,
 )
-from gateway.errors import APIError, ContextLengthExceeded, InternalError, InvalidRequest, ServiceUnavailable
+from gateway.backends.address import open_backend_stream
+from gateway.backends.request import (
+    DEFAULT_REQUEST_BUFFER,
+    BackendUnavailable,
+    RequestHandle,
+    SlowConsumer,
+    request_error_to_api,
+)
 
 log = logging.getLogger("gateway.backend")
-
-DEFAULT_REQUEST_BUFFER = 4096  # RequestOutput messages buffered per request before it counts as "too slow"
-
-
-class BackendUnavailable(ServiceUnavailable):
-    """503: the backend connection ended (process died, restart, shutdown) while the request was pending."""
-
-    def __init__(self, message: str = "The inference backend is unavailable; retry the request.") -> None:
-        super().__init__(message, code="backend_unavailable")
-
-
-class SlowConsumer(APIError):
-    """The client read its stream too slowly; its per-request buffer overflowed and the request was aborted."""
-
-    status = 503
-    type = "server_error"
-
-    def __init__(self) -> None:
-        super().__init__(
-            "The client did not read the response fast enough; the request was aborted.", code="slow_consumer"
-        )
-
-
-def request_error_to_api(err: RequestError) -> APIError:
-    """Map a backend ``RequestError`` (OpenAI-style code) to the gateway's exception tree."""
-    if err.code == "context_length_exceeded":
-        return ContextLengthExceeded(err.message, param=err.param or "messages")
-    if err.code in (
-        "invalid_request_error",
-        "invalid_parameter",
-    ):  # the backend's names for OpenAI's invalid_value
-        return InvalidRequest(err.message, param=err.param, code="invalid_value")
-    if err.code == "invalid_token_id":
-        return InvalidRequest(err.message, param=err.param, code=err.code)
-    return InternalError("The inference backend failed on this request.", code=err.code or "internal_error")
-
-
-def parse_backend_url(url: str) -> tuple[str, str | tuple[str, int]]:
-    """``unix:PATH`` -> ("unix", PATH); ``tcp://HOST:PORT`` -> ("tcp", (HOST, PORT)).
-
-    Raises:
-        ValueError: any other form.
-    """
-    if url.startswith("unix:"):
-        path = url[5:]
-        if path.startswith("//"):
-            path = path[2:]
-        if not path:
-            raise ValueError(f"empty unix socket path in {url!r}")
-        return "unix", path
-    if url.startswith("tcp://"):
-        host, sep, port = url[6:].rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"backend url {url!r} lacks a port")
-        return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
-    raise ValueError(f"backend url must be unix:PATH or tcp://HOST:PORT, got {url!r}")
-
-
-async def open_backend_stream(url: str) -> trio.abc.Stream:
-    """Connect to ``url`` (see ``parse_backend_url``). Raises OSError when nothing listens."""
-    kind, addr = parse_backend_url(url)
-    if kind == "unix":
-        return await trio.open_unix_socket(addr)  # type: ignore[arg-type]
-    host, port = addr  # type: ignore[misc]
-    stream = await trio.open_tcp_stream(host, port)
-    try:
-        import socket
-
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):
-        pass
-    return stream
-
-
-class RequestHandle:
-    """The consumer side of one in-flight backend request.
-
-    ``await next()`` returns the next ``RequestOutput`` (one per engine step per
-    choice) or None after the last choice finished; it raises the request's
-    error (``APIError``) if the backend rejected it, the connection died, or
-    the consumer fell behind. ``close()`` is synchronous and idempotent: if
-    the request has not finished it is removed and ``Abort`` is queued.
-    """
-
-    __slots__ = (
-        "request_id",
-        "n",
-        "_client",
-        "_send",
-        "_recv",
-        "_remaining",
-        "error",
-        "done",
-        "submitted_at",
-        "first_rx",
-    )
-
-    def __init__(self, client: BackendClient, request_id: str, n: int, buffer: int) -> None:
-        self.request_id = request_id
-        self.n = n
-        self._client = client
-        self._send, self._recv = trio.open_memory_channel[RequestOutput](buffer)
-        self._remaining = n
-        self.error: APIError | None = None
-        self.done = False  # the backend will send nothing more (finished, failed or aborted)
-        self.submitted_at = time.perf_counter()  # when Submit was queued (seconds, perf_counter)
-        self.first_rx: float | None = None  # when the frame with the first output was decoded
-
-    def receive_nowait(self) -> RequestOutput | None:
-        """Next buffered output without waiting; raises ``trio.WouldBlock`` if none is buffered yet."""
-        try:
-            return self._recv.receive_nowait()
-        except trio.EndOfChannel:
-            if self.error is not None:
-                raise self.error from None
-            return None
-
-    async def next(self) -> RequestOutput | None:
-        """Next output; None after the last one. Raises the request's ``APIError`` on failure."""
-        try:
-            return await self._recv.receive()
-        except trio.EndOfChannel:
-            if self.error is not None:
-                raise self.error from None
-            return None
-
-    # called by the client's reader task (same thread, no await in between)
-    def _deliver(self, out: RequestOutput) -> bool:
-        """Route one output; False if the consumer is too slow (caller fails + aborts the request)."""
-        try:
-            self._send.send_nowait(out)
-        except trio.WouldBlock:
-            return False
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return True  # consumer went away; its close() sends the abort
-        if out.finish_reason is not None:
-            self._remaining -= 1
-            if self._remaining <= 0:
-                self.done = True
-                self._send.close()
-        return True
-
-    def _fail(self, error: APIError) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.error = error
-        self._send.close()
-
-    def abort_choice(self, index: int) -> None:
-        """Ask the backend to stop choice ``index`` only (``Abort(index=...)``) while the others go on; its
-        final "abort" output still arrives and is counted. Synchronous, never raises."""
-        if not self.done:
-            self._client.abort_choice(self.request_id, index)
-
-    def close(self) -> None:
-        """Stop consuming. If the backend is still producing, send ``Abort`` (synchronous, never blocks)."""
-        if not self.done:
-            self.done = True
-            self._send.close()
-            self._client.abort(self.request_id)
-        self._recv.close()
-
-    def __enter__(self) -> RequestHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class BackendClient:
@@ -244,7 +84,7 @@ class BackendClient:
         *,
         url: str = "",
         request_buffer: int = DEFAULT_REQUEST_BUFFER,
-        decoder=None,
+        decoder: FrameDecoder | None = None,
     ) -> None:
         self.stream = stream
         self.ready = ready
@@ -252,7 +92,7 @@ class BackendClient:
         self.url = url
         self.request_buffer = request_buffer
         self._decoder = decoder or from_backend_decoder()
-        self._mail_send, self._mail_recv = trio.open_memory_channel[Any](math.inf)
+        self._mail_send, self._mail_recv = trio.open_memory_channel[ToBackend](math.inf)
         self._pending: dict[str, RequestHandle] = {}
         self._stats_waiters: dict[int, list] = {}
         self._nonce = itertools.count(1)
@@ -327,7 +167,7 @@ class BackendClient:
         """Queue ``Abort(request_id)`` and forget the request. Synchronous, idempotent, never raises."""
         h = self._pending.pop(request_id, None)
         if h is not None:
-            h._fail(BackendUnavailable("request aborted"))
+            h.fail(BackendUnavailable("request aborted"))
         if not self.alive:
             return
         try:
@@ -388,17 +228,18 @@ class BackendClient:
                     self.closed_reason = f"{type(exc).__name__}: {exc}"
                 nursery.cancel_scope.cancel()
         finally:
-            self._close_all()
+            self.close_all()
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.stream)
 
-    def _close_all(self) -> None:
+    def close_all(self) -> None:
+        """Mark the link dead and fail every pending request and stats waiter (synchronous, idempotent)."""
         self.alive = False
         self._mail_send.close()
         pending, self._pending = self._pending, {}
         err = BackendUnavailable("The inference backend stopped while this request was running.")
         for h in pending.values():
-            h._fail(err)
+            h.fail(err)
         for slot in self._stats_waiters.values():
             slot[0].set()
 
@@ -434,7 +275,7 @@ class BackendClient:
             if not self.alive:
                 return
 
-    def _dispatch(self, msg: Any) -> None:
+    def _dispatch(self, msg: FromBackend) -> None:
         if isinstance(msg, StepOutputs):
             pending = self._pending
             now = time.perf_counter()
@@ -444,16 +285,16 @@ class BackendClient:
                     continue
                 if h.first_rx is None:
                     h.first_rx = now
-                if not h._deliver(out):
+                if not h.deliver(out):
                     del pending[out.request_id]
-                    h._fail(SlowConsumer())
+                    h.fail(SlowConsumer())
                     self.abort(out.request_id)
                 elif h.done:
                     del pending[out.request_id]
         elif isinstance(msg, RequestError):
             h = self._pending.pop(msg.request_id, None)
             if h is not None:
-                h._fail(request_error_to_api(msg))
+                h.fail(request_error_to_api(msg))
         elif isinstance(msg, Stats):
             slot = self._stats_waiters.get(msg.nonce)
             if slot is not None:

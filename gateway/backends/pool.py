@@ -1,0 +1,72 @@
+"""``BackendPool``: every supervised backend of the gateway; ``pick()`` chooses one per request.
+
+The pool owns only the ``draining`` flag (set on SIGINT/SIGTERM) and the last model card seen; each backend's
+state belongs to its ``BackendSupervisor`` (gateway/backends/supervisor.py), read here by reference.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from backend.protocol import ModelCard
+from gateway.backends.client import BackendClient
+from gateway.backends.request import BackendUnavailable
+from gateway.backends.supervisor import BackendSupervisor
+
+
+class BackendPool:
+    """All supervised backends; ``pick()`` returns the ready client with the fewest requests in flight."""
+
+    def __init__(self, supervisors: list[BackendSupervisor], *, wait_timeout: float = 30.0) -> None:
+        self.supervisors = supervisors
+        self.wait_timeout = wait_timeout
+        self.draining = False
+        self._last_card: ModelCard | None = None
+
+    @property
+    def card(self) -> ModelCard | None:
+        """Model card of a ready backend, or of the last one seen (None before the first Ready)."""
+        for s in self.supervisors:
+            if s.client is not None:
+                self._last_card = s.client.card
+                return s.client.card
+        return self._last_card
+
+    @property
+    def ready(self) -> BackendClient | None:
+        for s in self.supervisors:
+            if s.client is not None and s.client.alive:
+                return s.client
+        return None
+
+    def is_ready(self) -> bool:
+        return not self.draining and self.ready is not None
+
+    async def pick(self) -> BackendClient:
+        """Least-loaded ready client; waits up to ``wait_timeout`` s for one. Raises ``BackendUnavailable``."""
+        if self.draining:
+            raise BackendUnavailable("The gateway is shutting down.")
+        live = [s.client for s in self.supervisors if s.client is not None and s.client.alive]
+        if live:
+            return min(live, key=lambda c: c.in_flight)
+        if len(self.supervisors) == 1:
+            return await self.supervisors[0].wait_client(self.wait_timeout)
+        with trio.move_on_after(self.wait_timeout):
+            while True:
+                live = [s.client for s in self.supervisors if s.client is not None and s.client.alive]
+                if live:
+                    return min(live, key=lambda c: c.in_flight)
+                await trio.sleep(0.05)
+        raise BackendUnavailable("No inference backend is ready; retry shortly.")
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run every supervisor; ``started()`` once the first backend is ready."""
+        async with trio.open_nursery() as nursery:
+            for s in self.supervisors:
+                await nursery.start(s.run) if s is self.supervisors[0] else nursery.start_soon(s.run)
+            task_status.started()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        async with trio.open_nursery() as nursery:
+            for s in self.supervisors:
+                nursery.start_soon(s.stop, grace)
