@@ -31,6 +31,7 @@ from gateway.app import build_app
 from gateway.backends.pool import BackendPool
 from gateway.backends.request import DEFAULT_REQUEST_BUFFER
 from gateway.backends.supervisor import BackendSupervisor, SpawnSpec
+from gateway.middleware.drain import DrainGate
 from gateway.state import Gateway, GatewayConfig
 
 log = logging.getLogger("gateway")
@@ -247,69 +248,9 @@ async def _plugins(gw: Gateway, args: argparse.Namespace, nursery: trio.Nursery)
     return routes, [Middleware(TenancyMiddleware, tenancy=tenancy)]
 
 
-class DrainGate:
-    """ASGI middleware: counts HTTP requests in flight and, once the pool is draining (SIGINT/SIGTERM), answers
-    every new one except the probes and monitoring (``/health`` and ``/healthz`` 200, ``/readyz`` 503, ``/metrics``,
-    ``/admin/v1/stats``, which shows ``draining``) with 503 ``server_shutting_down``, ``Retry-After`` and
-    ``Connection: close`` in OpenAI's error shape, without reading it (a load balancer or client retries
-    elsewhere or later). ``idle()`` returns once nothing admitted is in flight (the drain is over)."""
-
-    RETRY_AFTER_S = 5
-    PROBES = ("/health", "/healthz", "/readyz", "/metrics", "/admin/v1/stats")
-
-    def __init__(self, app: Any, pool: BackendPool) -> None:
-        self.app = app
-        self.pool = pool
-        self.in_flight = 0
-        self._idle = trio.Event()
-        self._idle.set()
-
-    def __getattr__(self, name: str) -> Any:  # app.state etc. reach the wrapped app
-        return getattr(self.app, name)
-
-    async def idle(self) -> None:
-        while self.in_flight:
-            await self._idle.wait()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.pool.draining and scope.get("path") not in self.PROBES:
-            from gateway.errors import ServiceUnavailable
-
-            err = ServiceUnavailable(
-                "The server is shutting down; retry the request.", code="server_shutting_down"
-            )
-            body = msgspec.json.encode(err.body())
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 503,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"retry-after", str(self.RETRY_AFTER_S).encode()),
-                        (b"connection", b"close"),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        self.in_flight += 1
-        if self.in_flight == 1:
-            self._idle = trio.Event()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
-
-
 def _wrap(app: Any, gw: Gateway) -> Any:
     """CORS outermost (preflights answered before auth; error responses get CORS headers too, so a browser client can read a 401 or 429 body)."""
-    from gateway.cors import CORSMiddleware, cors_origins_from_env
+    from gateway.middleware.cors import CORSMiddleware, cors_origins_from_env
 
     return CORSMiddleware(app, origins=cors_origins_from_env())
 

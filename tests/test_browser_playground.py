@@ -85,7 +85,7 @@ def gw(gateway):
         r.status_code == 200 and "Gateway Playground" in r.text,
         "the playground (GET / -> gateway/static/index.html)",
     )
-    require(cors_wired(gateway), "gateway.cors.CORSMiddleware")
+    require(cors_wired(gateway), "gateway.middleware.cors.CORSMiddleware")
     require(tenancy_wired(gateway), "tenancy")
     return gateway
 

@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from gateway.cors import EXPOSE_HEADERS, CORSMiddleware, cors_origins_from_env
+from gateway.middleware.cors import EXPOSE_HEADERS, CORSMiddleware, cors_origins_from_env
 from gateway.errors import APIError, RateLimited
 
 

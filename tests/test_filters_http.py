@@ -143,7 +143,7 @@ def finishes(events) -> list:
 
 
 def test_preflight_204_without_auth(gateway):
-    require(cors_wired(gateway), "gateway.cors.CORSMiddleware")
+    require(cors_wired(gateway), "gateway.middleware.cors.CORSMiddleware")
     r = httpx.options(
         gateway.base_url + "/v1/chat/completions",
         timeout=30,
@@ -160,7 +160,7 @@ def test_preflight_204_without_auth(gateway):
 
 
 def test_401_and_errors_carry_cors_headers(gateway):
-    require(cors_wired(gateway), "gateway.cors.CORSMiddleware")
+    require(cors_wired(gateway), "gateway.middleware.cors.CORSMiddleware")
     require(tenancy_wired(gateway), "tenancy")
     r = httpx.post(
         gateway.base_url + "/v1/chat/completions",

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from backend.protocol import ModelCard
 from gateway.app import _api_error, list_models, retrieve_model
 from gateway.errors import APIError
-from gateway.server import DrainGate
+from gateway.middleware.drain import DrainGate
 from gateway.state import Gateway, GatewayConfig
 from gateway.tenancy import classify_path
 

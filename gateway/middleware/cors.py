@@ -21,14 +21,9 @@ Usage (outermost, so it also wraps auth and error handlers)::
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
 
 #: Response headers a page may read (Fetch "CORS-safelisted response headers" are not enough:
 #: the OpenAI rate-limit headers, retry-after(-ms) and the request id must be listed).

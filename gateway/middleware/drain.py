@@ -1,0 +1,74 @@
+"""``DrainGate``: the ASGI middleware that drains the gateway on SIGINT/SIGTERM.
+
+It counts HTTP requests in flight. Once the pool is draining it answers every new request, except the
+probes and monitoring paths, with 503 ``server_shutting_down`` in OpenAI's error shape, ``Retry-After`` and
+``Connection: close``, without reading the body (a load balancer or client retries elsewhere or later).
+``/health`` and ``/healthz`` still answer 200, ``/readyz`` 503, and ``/metrics`` and ``/admin/v1/stats``
+(which shows ``draining``) keep working. ``idle()`` returns once nothing admitted is in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+import trio
+
+from gateway.errors import ServiceUnavailable
+from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send
+
+
+class Drainable(Protocol):
+    """What the gate reads: ``draining`` (``BackendPool.draining``, set by the signal handler)."""
+
+    draining: bool
+
+
+class DrainGate:
+    """Pure ASGI middleware (see module docstring). ``app``: the wrapped app; ``pool``: its drain flag."""
+
+    RETRY_AFTER_S = 5
+    PROBES = ("/health", "/healthz", "/readyz", "/metrics", "/admin/v1/stats")
+
+    def __init__(self, app: ASGIApp, pool: Drainable) -> None:
+        self.app = app
+        self.pool = pool
+        self.in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def idle(self) -> None:
+        """Return once no admitted request is in flight (at once when none is)."""
+        while self.in_flight:
+            await self._idle.wait()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.pool.draining and scope.get("path") not in self.PROBES:
+            await self._refuse(send)
+            return
+        self.in_flight += 1
+        if self.in_flight == 1:
+            self._idle = trio.Event()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _refuse(self, send: Send) -> None:
+        err = ServiceUnavailable(
+            "The server is shutting down; retry the request.", code="server_shutting_down"
+        )
+        body = msgspec.json.encode(err.body())
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(self.RETRY_AFTER_S).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
