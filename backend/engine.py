@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from collections.abc import Hashable
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -46,7 +46,7 @@ from backend.sampling import MAX_TOP_LOGPROBS, ChoiceState, sample
 from backend.scheduler import Scheduler, SchedulerOutput
 from backend.sequence import SeqStatus, Sequence
 
-Message = Union[RequestOutput, RequestError]
+Message = RequestOutput | RequestError
 
 
 class EngineRequest:

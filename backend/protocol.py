@@ -21,7 +21,7 @@ Source followed: msgspec's tagged unions
 from __future__ import annotations
 
 import struct
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
@@ -165,7 +165,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     """Stop the backend process after aborting everything in flight."""
 
 
-ToBackend = Union[Hello, Submit, Abort, GetStats, Shutdown]
+ToBackend = Hello | Submit | Abort | GetStats | Shutdown
 
 # ----------------------------------------------------------------------------- from the backend
 
@@ -246,7 +246,7 @@ class Fatal(msgspec.Struct, tag="fatal", kw_only=True):
     message: str
 
 
-FromBackend = Union[Ready, StepOutputs, RequestError, Stats, Fatal]
+FromBackend = Ready | StepOutputs | RequestError | Stats | Fatal
 
 
 # ----------------------------------------------------------------------------- framing

@@ -236,7 +236,6 @@ def process_logits(logits: torch.Tensor, states: list[ChoiceState]) -> torch.Ten
     Returns:
         ``[B, V] float32``: ``logits`` itself when no row has anything to apply, else a copy.
     """
-    B = len(states)
     x = logits
     modified = False
 

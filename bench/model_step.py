@@ -18,6 +18,7 @@ The machine is shared: the load average before/after is printed, and is part of 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -95,19 +96,20 @@ def bench_dtype(args, dtype: str) -> list[str]:
         r.execute([SeqChunk(prompt, 0, tables[i], False)])
     for B in args.batches:
         chunks = [SeqChunk([5 + i], ctx, tables[i], True) for i in range(B)]
-        ts = _time(lambda: r.execute(chunks), args.steps)
+        ts = _time(functools.partial(r.execute, chunks), args.steps)
         rows.append(_report(dtype, f"decode B={B} (ctx {ctx})", ts, B))
     if args.prefill:
         base = max_b * ctx_blocks
         pt = list(range(base, base + -(-args.prefill // bs)))
         ids = [(i * 91) % 30000 + 50 for i in range(args.prefill)]
-        ts = _time(lambda: r.execute([SeqChunk(ids, 0, pt, True)]), max(1, args.steps // 5), warmup=1)
+        prefill = [SeqChunk(ids, 0, pt, True)]
+        ts = _time(functools.partial(r.execute, prefill), max(1, args.steps // 5), warmup=1)
         rows.append(_report(dtype, f"prefill {args.prefill} tokens", ts, args.prefill))
     if args.profile:
         from torch.profiler import profile
 
         chunk = [SeqChunk([5], ctx, tables[0], True)]
-        _time(lambda: r.execute(chunk), 2)
+        _time(functools.partial(r.execute, chunk), 2)
         n = 10
         with profile() as prof:
             for _ in range(n):

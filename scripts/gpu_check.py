@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -88,7 +89,7 @@ def make_batch(seqs, Hkv, G, D, bs, dtype, device, gen, spare_blocks=7):
     T = qsl[-1]
     H = Hkv * G
     nd = 0
-    for c, n in seqs:
+    for _, n in seqs:
         if n != 1:
             break
         nd += 1
@@ -105,7 +106,10 @@ def make_batch(seqs, Hkv, G, D, bs, dtype, device, gen, spare_blocks=7):
         query_lens_cpu=[n for _, n in seqs],
     )
     dgen = torch.Generator(device=device).manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-    rnd = lambda *shape: torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
+
     k_cache = rnd(nblocks, bs, Hkv, D)
     v_cache = rnd(nblocks, bs, Hkv, D)
     query, key, value = rnd(T, H, D), rnd(T, Hkv, D), rnd(T, Hkv, D)
@@ -267,7 +271,7 @@ def check_bandwidth(quick: bool) -> None:
     n = 1 << 30
     x = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=gen)
     y = torch.empty_like(x)
-    ms = _time_ms(lambda: y.copy_(x), reps=10)
+    ms = _time_ms(functools.partial(y.copy_, x), reps=10)
     copy_bw = 2 * 2 * n / (ms * 1e-3)
     INFO["copy_GBps"] = copy_bw / 1e9
     row("bandwidth", "device-to-device copy 2 GiB (read+write)", f"{copy_bw / 1e9:.0f} GB/s ({ms:.3f} ms)")
@@ -326,7 +330,7 @@ def check_bandwidth(quick: bool) -> None:
             with cupy.cuda.Device(torch.cuda.current_device()), stream:
                 plans = attn._plan(cfg, q, kc, vc, meta, D**-0.5, out)
 
-                def launch():
+                def launch(plans=plans):
                     for fn, grid, block, args, smem in plans:
                         fn(grid, block, args, shared_mem=smem)
 
@@ -442,7 +446,7 @@ def check_e2e(quick: bool) -> None:
         row("e2e", "skipped", f"backend.model_runner not importable ({type(e).__name__}: {e})")
         return
     try:
-        path = _model_path()
+        _model_path()
     except Exception as e:  # noqa: BLE001
         row("e2e", "skipped", f"model file not available here ({e})")
         return
@@ -461,7 +465,7 @@ def check_e2e(quick: bool) -> None:
         bs = runner.block_size
         per_case = []
         t0 = time.perf_counter()
-        for ci, case in enumerate(chats):
+        for case in chats:
             prompt = case["prompt_ids"]
             steps = len(case["greedy_ids"])
             nblk = -(-(len(prompt) + steps + 1) // bs)
@@ -524,7 +528,7 @@ def check_engine(quick: bool) -> None:
         row("engine", "skipped", f"backend.engine API not available ({type(e).__name__}: {e})")
         return
     try:
-        path = _model_path()
+        _model_path()
     except Exception as e:  # noqa: BLE001
         row("engine", "skipped", f"model file not available here ({e})")
         return

@@ -199,7 +199,7 @@ async def test_output_cut_never_leaks_and_window_bounded(window):
     p = build_pipeline(
         parse_config({"output_window": window, "hooks": [{"type": "blocklist", "keywords": ["forbidden"]}]})
     )
-    for trial in range(30):
+    for _ in range(30):
         words = [
             rng.choice(["alpha", "beta", "gamma", "forbid", "den", "x"]) for _ in range(rng.randint(5, 60))
         ]

@@ -150,7 +150,7 @@ def test_backend_crash_mid_stream_then_recovery(make_gateway):
     def nonstream():
         plain["r"] = post_json(gw, CHAT, chat_body(gw, LONG, max_tokens=2000, temperature=0))
 
-    events, done, raw_tail = [], False, ""
+    events, done = [], False
     with httpx.Client(timeout=300) as client:
         with client.stream(
             "POST",

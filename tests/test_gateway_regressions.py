@@ -112,7 +112,7 @@ def test_key_expiry_in_the_past_is_400(gateway):
     for v in bad:  # raw JSON texts (Python's json, used by the admin API, reads NaN and Infinity)
         r = httpx.post(
             gateway.base_url + f"/admin/v1/tenants/{tid}/keys",
-            content='{"expires_at": %s}' % v,
+            content=f'{{"expires_at": {v}}}',
             headers={**A, "content-type": "application/json"},
             timeout=30,
         )

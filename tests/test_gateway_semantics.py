@@ -109,7 +109,7 @@ def test_stop_strings_held_back_and_matched_across_tokens(gateway):
         body = chat_body(gateway, prompt, max_tokens=24, temperature=0, **kw)
         calls += [lambda b=body: stream_post(gateway, CHAT, b), lambda b=body: _nonstream(gateway, b)]
     results = _parallel(*calls)
-    for k, (prompt, kw, expected) in enumerate(cases):
+    for k, (_, kw, expected) in enumerate(cases):
         s, n = results[2 * k], results[2 * k + 1]
         assert _content(n) == expected, (kw, _content(n))
         assert n["choices"][0]["finish_reason"] == "stop"

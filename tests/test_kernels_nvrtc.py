@@ -57,7 +57,7 @@ def test_every_kernel_compiles(arch: str) -> None:
         # the decode kernel must keep its per-lane arrays (q, K/V vectors, accumulators) in registers: a spilled
         # array costs hundreds of bytes of local memory; ptxas may spill a word or two in the epilogue
         m = re.search(
-            r"Compiling entry function 'paged_decode' for '%s'.*?(\d+) bytes stack frame" % arch, log, re.S
+            rf"Compiling entry function 'paged_decode' for '{arch}'.*?(\d+) bytes stack frame", log, re.S
         )
         assert m is not None, log
         assert int(m.group(1)) <= 16, f"{cfg} {arch}: paged_decode uses local memory\n{log}"

@@ -82,7 +82,7 @@ def test_permute_round_trip() -> None:
 
 def _tiny_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
 
     def r(*shape):
         return torch.randn(*shape, generator=g) * 0.2
@@ -100,9 +100,9 @@ def _tiny_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         t[p + "self_attn.k_proj.weight"] = r(cfg.num_kv_heads * hd, H)
         t[p + "self_attn.v_proj.weight"] = r(cfg.num_kv_heads * hd, H)
         t[p + "self_attn.o_proj.weight"] = r(H, cfg.num_heads * hd)
-        t[p + "mlp.gate_proj.weight"] = r(I, H)
-        t[p + "mlp.up_proj.weight"] = r(I, H)
-        t[p + "mlp.down_proj.weight"] = r(H, I)
+        t[p + "mlp.gate_proj.weight"] = r(inter, H)
+        t[p + "mlp.up_proj.weight"] = r(inter, H)
+        t[p + "mlp.down_proj.weight"] = r(H, inter)
     return t
 
 

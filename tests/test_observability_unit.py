@@ -74,7 +74,7 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
         rec.on_submit()
 
         async def gen():
-            for i in range(4):
+            for _ in range(4):
                 rec.on_tokens(1, text="x")
                 yield b"data: x\n\n"
             rec.on_finish(

@@ -89,10 +89,10 @@ def test_local_bucket_refill_is_continuous():
 
 def test_all_or_nothing():
     lim = LocalLimiter(clock=lambda: 0.0)
-    dims = lambda tok: [
-        Dim("r", "bucket", "requests", 10, 1, 60.0),
-        Dim("t", "bucket", "tokens", 100, tok, 60.0),
-    ]  # noqa: E731
+
+    def dims(tok):
+        return [Dim("r", "bucket", "requests", 10, 1, 60.0), Dim("t", "bucket", "tokens", 100, tok, 60.0)]
+
     assert lim.acquire_now(dims(90), "a").ok
     assert not lim.acquire_now(dims(20), "b").ok  # tokens fail -> the request must not be charged
     assert lim.peek_now(dims(0))[0].remaining == 9
@@ -181,7 +181,7 @@ async def test_error_inside_admission_releases_and_bills(tenancy):
     p = await principal_with(tenancy, max_concurrent=1)
     with pytest.raises(ZeroDivisionError):
         async with tenancy.admit(p, prompt_tokens=5, max_tokens=5, request_id="req-e"):
-            1 / 0
+            raise ZeroDivisionError("inside admission")
     async with tenancy.admit(p, prompt_tokens=1, max_tokens=1):
         pass
     await tenancy.ledger.flush()

@@ -13,11 +13,15 @@ from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from auth.store import Store
 from gateway.errors import RateLimited
 from gateway.tenancy import Tenancy
-from ratelimit.core import Limits
+from ratelimit.core import Dim, Limits
+from ratelimit.local import LocalLimiter
+from ratelimit.redis_limiter import RedisLimiter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -258,13 +262,6 @@ async def test_redis_down_is_503_not_a_hang(tmp_path):
         if proc.poll() is None:
             proc.kill()
 
-
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from ratelimit.core import Dim
-from ratelimit.local import LocalLimiter
-from ratelimit.redis_limiter import RedisLimiter
 
 OPS = st.lists(
     st.tuples(st.sampled_from(["acq", "rel"]), st.integers(0, 60), st.integers(-10, 40)),

@@ -263,7 +263,7 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
     Raises:
         ValueError: a tensor is missing or has an unexpected shape.
     """
-    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     want = {
         "model.embed_tokens.weight": (cfg.vocab_size, H),
         "model.norm.weight": (H,),
@@ -278,9 +278,9 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
         want[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * hd, H)
         want[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * hd, H)
         want[p + "self_attn.o_proj.weight"] = (H, cfg.num_heads * hd)
-        want[p + "mlp.gate_proj.weight"] = (I, H)
-        want[p + "mlp.up_proj.weight"] = (I, H)
-        want[p + "mlp.down_proj.weight"] = (H, I)
+        want[p + "mlp.gate_proj.weight"] = (inter, H)
+        want[p + "mlp.up_proj.weight"] = (inter, H)
+        want[p + "mlp.down_proj.weight"] = (H, inter)
     for name, shape in want.items():
         if name not in tensors:
             raise ValueError(f"tensor {name} missing")

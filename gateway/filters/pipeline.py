@@ -113,7 +113,7 @@ class OutputFilter:
         self, pending: str, release: int, final: bool
     ) -> tuple[OutputChunk, tuple[int, str, str] | None]:
         chunk = OutputChunk(self._context, pending, release, final, self.sent, self.tenant_id)
-        for i, (name, sc) in enumerate(self._scanners):
+        for name, sc in self._scanners:
             res = await sc.scan(chunk)
             if isinstance(res, OutputCut):
                 return chunk, (max(0, min(res.at, len(chunk.pending))), name, res.category)
