@@ -41,7 +41,10 @@ serve: $(STAMP) $(VENV)/.cpukernels
 	@echo "Starting gateway + backend on http://$(HOST):$(PORT) (model id: SmolLM2-135M-Instruct.Q4_1; the API key is printed below on first start)"
 	$(VPY) -m gateway serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# Lint and format check first (ruff pinned in the test extra; config in pyproject.toml): seconds, fail fast.
 test: $(STAMP) $(VENV)/.cpukernels $(VENV)/.cuda sysdeps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	LLM_GATEWAY_REQUIRE_SYSDEPS=1 $(VPY) -m pytest -q --durations=25 tests
 
 bench: $(STAMP) $(VENV)/.cpukernels
