@@ -148,14 +148,6 @@ class BlockManager:
             parent = key
         return out
 
-    def blocks_needed_to_admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> int:
-        """Free blocks consumed by ``admit(seq, cached)`` plus slots for ``num_tokens`` tokens.
-
-        A cached block with no owner is taken off the free list, so it counts.
-        """
-        revived = sum(1 for b in cached if self.ref_count[b] == 0)
-        return revived + max(0, self.blocks_for(num_tokens) - len(cached))
-
     def admit(self, seq: Sequence, cached: list[int]) -> int:
         """Give a waiting ``seq`` the cached blocks ``cached`` (from ``match_prefix``).
 
