@@ -407,6 +407,16 @@ def _model_path():
     return default_model_path()
 
 
+def _model_available(section: str) -> bool:
+    """Whether the default model file is here; if not, say so in a ``skipped`` row of ``section``."""
+    try:
+        _model_path()
+    except Exception as e:  # noqa: BLE001
+        row(section, "skipped", f"model file not available here ({e})")
+        return False
+    return True
+
+
 _RUNNERS: dict = {}
 # --cpu-dry-run (tests of this script on a machine without a GPU): e2e/engine on CPU, float32, torch only
 RUN = dict(
@@ -445,10 +455,7 @@ def check_e2e(quick: bool) -> None:
     except Exception as e:  # noqa: BLE001
         row("e2e", "skipped", f"backend.model_runner not importable ({type(e).__name__}: {e})")
         return
-    try:
-        _model_path()
-    except Exception as e:  # noqa: BLE001
-        row("e2e", "skipped", f"model file not available here ({e})")
+    if not _model_available("e2e"):
         return
     cands = [os.environ.get("GPU_CHECK_FIXTURES", ""), ROOT / "tests" / "fixtures"]
     fx = next(
@@ -527,10 +534,7 @@ def check_engine(quick: bool) -> None:
     except Exception as e:  # noqa: BLE001
         row("engine", "skipped", f"backend.engine API not available ({type(e).__name__}: {e})")
         return
-    try:
-        _model_path()
-    except Exception as e:  # noqa: BLE001
-        row("engine", "skipped", f"model file not available here ({e})")
+    if not _model_available("engine"):
         return
     gen_tokens = 64 if RUN["device"] == "cuda" else 4
     for backend_name in RUN["backends"][::-1]:

@@ -80,38 +80,26 @@ class Client:
         self.sock.close()
 
 
+def spawn_backend(model_path: str, path: str, *options: str) -> subprocess.Popen:
+    """Start ``python -m backend`` (float32) listening on the unix socket ``path``; return once it is ready.
+
+    ``options``: more command-line options (KV blocks, batch sizes). Fails the test if the process exits
+    before it prints ``backend ready`` on stderr.
+    """
+    cmd = [sys.executable, "-m", "backend", "--model", model_path, "--listen", f"unix:{path}"]
+    proc = subprocess.Popen(
+        [*cmd, "--dtype", "float32", *options], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    while "backend ready" not in (line := proc.stderr.readline()):
+        assert line, "backend exited before it was ready"
+    return proc
+
+
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory, model_path):
     path = str(tmp_path_factory.mktemp("be") / "backend.sock")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "backend",
-            "--model",
-            model_path,
-            "--listen",
-            f"unix:{path}",
-            "--dtype",
-            "float32",
-            "--num-kv-blocks",
-            "64",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "256",
-        ],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    line = ""
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if "backend ready" in line or not line:
-            break
-    assert "backend ready" in line, line
+    options = ("--num-kv-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "256")
+    proc = spawn_backend(model_path, path, *options)
     yield proc, path
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -253,26 +241,7 @@ def test_abort_and_disconnect_free_blocks(backend):
 
 def test_shutdown_exits_zero(tmp_path, model_path):
     path = str(tmp_path / "b.sock")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "backend",
-            "--model",
-            model_path,
-            "--listen",
-            f"unix:{path}",
-            "--dtype",
-            "float32",
-            "--num-kv-blocks",
-            "16",
-        ],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    while "backend ready" not in (line := proc.stderr.readline()):
-        assert line, "backend died"
+    proc = spawn_backend(model_path, path, "--num-kv-blocks", "16")
     c = Client(path)
     c.hello()
     c.send(submit("s", max_tokens=200, ignore_eos=True))

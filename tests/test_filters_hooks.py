@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import trio
+from plugins.filter_stream import feed_in_chunks
 
 from gateway.errors import ContentFiltered
 from gateway.filters import (
@@ -180,19 +181,6 @@ def test_find_pii_kinds():
 # ------------------------------------------------------------------ output side
 
 
-async def _stream(of, text, sizes):
-    """Feed ``text`` in chunks of the given sizes (cycled); return (pieces, max held)."""
-    out, i, k, max_held = [], 0, 0, 0
-    while i < len(text) and not of.cut:
-        n = sizes[k % len(sizes)]
-        k += 1
-        out.append(await of.feed(text[i : i + n]))
-        i += n
-        max_held = max(max_held, of.held)
-    out.append(await of.flush())
-    return out, max_held
-
-
 @pytest.mark.parametrize("window", [0, 8, 64, 200])
 async def test_output_cut_never_leaks_and_window_bounded(window):
     rng = random.Random(window)
@@ -209,7 +197,7 @@ async def test_output_cut_never_leaks_and_window_bounded(window):
         text = " ".join(words)
         of = p.output_filter("t")
         sizes = [rng.randint(1, 7) for _ in range(5)]
-        pieces, max_held = await _stream(of, text, sizes)
+        pieces, max_held = await feed_in_chunks(of, text, sizes)
         sent = "".join(pieces)
         assert max_held <= window
         if "forbidden" in text.split(" "):
@@ -242,7 +230,7 @@ async def test_output_pii_redacted_within_window():
     )
     for sizes in ([1], [3], [5, 2, 9], [len(text)]):
         of = p.output_filter()
-        pieces, max_held = await _stream(of, text, sizes)
+        pieces, max_held = await feed_in_chunks(of, text, sizes)
         assert max_held <= 32
         assert "".join(pieces) == (
             "Contact [EMAIL] today. Card: [CARD], fake 4111 1111 1111 1112. Phone [PHONE]. End with mail [EMAIL]"
@@ -260,7 +248,7 @@ async def test_output_cut_rechecks_prefix_with_all_hooks():
         )
     )
     of = p.output_filter()
-    pieces, _ = await _stream(of, "write to x@example.org boom and more", [40])
+    pieces, _ = await feed_in_chunks(of, "write to x@example.org boom and more", [40])
     assert of.cut and "".join(pieces) == "write to [EMAIL] "
 
 
@@ -410,7 +398,7 @@ async def test_webhook_output_windows(moderation_url):
     )
     of = p.output_filter("t3")
     text = "The quick brown fox jumps over the lazy dog. " * 4
-    pieces, max_held = await _stream(of, text, [1])
+    pieces, max_held = await feed_in_chunks(of, text, [1])
     assert "".join(pieces) == text and not of.cut and max_held <= 16
     n = len(_Moderation.calls)
     assert 2 <= n <= len(text) // 16 + 2  # called per window, not per character
@@ -418,44 +406,22 @@ async def test_webhook_output_windows(moderation_url):
     # flagged output: cut, nothing from the flagged window is sent
     of = p.output_filter("t3")
     text = "a" * 40 + " forbidden " + "b" * 40
-    pieces, _ = await _stream(of, text, [1])
+    pieces, _ = await feed_in_chunks(of, text, [1])
     sent = "".join(pieces)
     assert of.cut and "forbidden" not in sent and text.startswith(sent)
     assert of.result == {"self-harm": {"filtered": True, "detected": True, "hook": "mod"}}
 
 
+def _slow_output_webhook(moderation_url: str, fail: str):
+    """A pipeline whose one hook is an output webhook that answers after its 0.2 s timeout."""
+    hook = {"type": "webhook", "url": moderation_url + "/slow", "timeout_s": 0.2, "fail": fail}
+    return pipeline_for({"output_window": 8, "hooks": [{**hook, "stages": ["output"]}]})
+
+
 async def test_webhook_output_timeout_fail_closed_cuts(moderation_url):
-    p = pipeline_for(
-        {
-            "output_window": 8,
-            "hooks": [
-                {
-                    "type": "webhook",
-                    "url": moderation_url + "/slow",
-                    "timeout_s": 0.2,
-                    "fail": "closed",
-                    "stages": ["output"],
-                }
-            ],
-        }
-    )
-    of = p.output_filter()
-    pieces, _ = await _stream(of, "hello world, this is fine", [4])
+    of = _slow_output_webhook(moderation_url, "closed").output_filter()
+    pieces, _ = await feed_in_chunks(of, "hello world, this is fine", [4])
     assert of.cut and "".join(pieces) == "" and "moderation_unavailable" in of.result
-    p = pipeline_for(
-        {
-            "output_window": 8,
-            "hooks": [
-                {
-                    "type": "webhook",
-                    "url": moderation_url + "/slow",
-                    "timeout_s": 0.2,
-                    "fail": "open",
-                    "stages": ["output"],
-                }
-            ],
-        }
-    )
-    of = p.output_filter()
-    pieces, _ = await _stream(of, "hello world", [11])
+    of = _slow_output_webhook(moderation_url, "open").output_filter()
+    pieces, _ = await feed_in_chunks(of, "hello world", [11])
     assert not of.cut and "".join(pieces) == "hello world"

@@ -7,6 +7,7 @@ import re
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from plugins.filter_stream import feed_in_chunks
 
 from gateway.filters import build_pipeline, parse_config
 from gateway.filters.pii import PIIHook
@@ -39,14 +40,7 @@ cuts = st.lists(st.integers(1, 12), min_size=1, max_size=6)
 def run(pipe, text, sizes):
     async def main():
         of = pipe.output_filter("t")
-        out, i, k, max_held = [], 0, 0, 0
-        while i < len(text) and not of.cut:
-            n = sizes[k % len(sizes)]
-            k += 1
-            out.append(await of.feed(text[i : i + n]))
-            i += n
-            max_held = max(max_held, of.held)
-        out.append(await of.flush())
+        out, max_held = await feed_in_chunks(of, text, sizes)
         return "".join(out), of, max_held
 
     return trio.run(main)
