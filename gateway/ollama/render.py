@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import msgspec
+from starlette.responses import JSONResponse, Response
 
 from gateway.errors import APIError
 from gateway.generation.events import ChoiceFinished, Completed, Event, Started, TextDelta
@@ -61,6 +62,11 @@ def now_rfc3339() -> str:
 def error_body(exc: APIError) -> dict[str, Any]:
     """``exc`` in Ollama's shape: ``{"error": message, "type", "code"}`` (the client reads ``error``)."""
     return {"error": exc.message, "type": exc.type, "code": exc.code}
+
+
+def error_response(exc: APIError) -> Response:
+    """``exc`` answered before any generation began: Ollama's error object, the error's status and headers."""
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers or None)
 
 
 def piece(kind: Kind, model: str, text: str, done: bool) -> dict[str, Any]:
@@ -105,7 +111,7 @@ def final_stats(done: Completed, t_arrival: float) -> Stats:
 
 
 class OllamaRenderer:
-    """Base of the two renderers (an ``EventSink`` plus ``error``): the answer's shape and choice 0's state.
+    """Base of the two renderers (an ``EventSink`` plus ``fail``): the answer's shape and choice 0's state.
 
     Args:
         writer: the response writer of the ``CallResponse`` running the request.
@@ -152,7 +158,7 @@ class OllamaRenderer:
     async def completed(self, done: Completed) -> None:
         """The run succeeded: send the final object."""
 
-    async def error(self, exc: APIError) -> None:
+    async def fail(self, exc: APIError) -> None:
         """Report ``exc``: the error object with its status before the answer started, else an error line."""
         if self.writer.finished:
             return

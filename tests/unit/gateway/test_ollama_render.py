@@ -134,7 +134,7 @@ async def test_a_stream_without_started_still_has_its_headers():
 async def test_error_before_the_answer_is_the_error_object_with_its_status():
     for cls in (NdjsonStream, JsonAnswer):
         cap, r = await feed(cls, [])
-        await r.error(
+        await r.fail(
             RateLimited("Too many requests", code="rate_limit_exceeded", headers={"retry-after": "2"})
         )
         assert cap.start["status"] == 429 and cap.headers[b"retry-after"] == b"2"
@@ -148,8 +148,8 @@ async def test_error_before_the_answer_is_the_error_object_with_its_status():
 
 async def test_error_after_started_is_one_final_line():
     cap, r = await feed(NdjsonStream, RUN[:2])
-    await r.error(ServiceUnavailable("backend lost"))
-    await r.error(ServiceUnavailable("twice"))  # the stream is over: ignored
+    await r.fail(ServiceUnavailable("backend lost"))
+    await r.fail(ServiceUnavailable("twice"))  # the stream is over: ignored
     lines = [json.loads(x) for x in cap.body.splitlines()]
     assert cap.start["status"] == 200 and lines[0]["message"]["content"] == "Hel"
     assert lines[-1] == {"error": "backend lost", "type": "server_error", "code": None} and len(lines) == 2
