@@ -1,6 +1,6 @@
 """Adapter the gateway app plugs in as ``Gateway(filters=TenantFilters())``.
 
-It takes the authenticated principal (``gateway.tenancy.Principal``: ``tenant_id`` and the tenant's
+It takes the authenticated principal (``auth.principal.Principal``: ``tenant_id`` and the tenant's
 stored ``filters`` JSON) and finds the tenant's cached :class:`FilterPipeline` with
 :func:`pipeline_for`, so config changes made through ``PUT /admin/v1/tenants/{id}/filters`` apply
 to the next request. Without tenancy (principal None) no filtering happens, unless a default
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from auth.principal import Principal
+
 from .pipeline import NO_FILTERS, FilterPipeline, OutputFilter, pipeline_for
 
 
-def _tenant_id(principal: Any) -> str | None:
-    v = getattr(principal, "tenant_id", None)
-    return v if isinstance(v, str) else None
+def _tenant_id(principal: Principal | None) -> str | None:
+    return principal.tenant_id if principal is not None else None
 
 
 class TenantFilters:
@@ -26,19 +27,21 @@ class TenantFilters:
         default: filter config JSON for requests with no principal (tenancy off); default none.
     """
 
-    def __init__(self, default: Any = None) -> None:
+    def __init__(self, default: object = None) -> None:
         self.default = default
 
-    def pipeline(self, principal: Any) -> FilterPipeline:
+    def pipeline(self, principal: Principal | None) -> FilterPipeline:
         """The principal's tenant pipeline (``NO_FILTERS`` when it has no config).
 
         Raises:
             ValueError: a stored config that no longer validates (the app should render it as 500).
         """
-        cfg = getattr(principal, "filters", None) if principal is not None else self.default
+        cfg = principal.filters if principal is not None else self.default
         return pipeline_for(cfg) if cfg else NO_FILTERS
 
-    async def check_prompt(self, principal: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def check_prompt(
+        self, principal: Principal | None, messages: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
         """Prompt-stage hooks; returns the (maybe redacted) messages.
 
         Raises:
@@ -49,7 +52,7 @@ class TenantFilters:
             return messages
         return await p.check_prompt(_tenant_id(principal), messages)
 
-    def output_filter(self, principal: Any) -> OutputFilter | None:
+    def output_filter(self, principal: Principal | None) -> OutputFilter | None:
         """A fresh OutputFilter for one choice, or None when the tenant has no output-stage hook."""
         p = self.pipeline(principal)
         if not p.filters_output:
