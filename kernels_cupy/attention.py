@@ -24,10 +24,13 @@ Supported: fp16/bf16, head_dim 64/128, 1..8 query heads per KV head, any block s
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels_cupy.compile import (
@@ -130,8 +133,6 @@ class CupyAttention:
         return self._cp(t)
 
     def _launch_ctx(self, dev: torch.device):
-        import contextlib
-
         import cupy
 
         stack = contextlib.ExitStack()
@@ -175,11 +176,8 @@ class CupyAttention:
         ptr = torch.cuda.current_stream(device).cuda_stream
         s = self._streams.get(ptr)
         if s is None:
-            import warnings
-
-            with (
-                warnings.catch_warnings()
-            ):  # CuPy 14 deprecates ExternalStream (Stream.from_external); still works
+            # CuPy 14 deprecates ExternalStream (Stream.from_external); it still works
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 s = cupy.cuda.ExternalStream(
                     ptr, device.index if device.index is not None else torch.cuda.current_device()
@@ -253,8 +251,6 @@ class CupyAttention:
         Cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype as key/value.
         """
         self._check(key.dtype, k_cache)
-        import numpy as np
-
         T, Hkv, D = key.shape
         if T == 0:
             return
@@ -328,8 +324,6 @@ class CupyAttention:
         Must run inside the CuPy device/stream context. Used by ``forward`` and by the benchmark
         (``scripts/gpu_check.py``) to time the kernels without the per-call Python work.
         """
-        import numpy as np
-
         dev = query.device
         mv = self._meta_views(meta, dev)
         Hkv, bs = k_cache.shape[2], k_cache.shape[1]

@@ -12,6 +12,7 @@ Raises ``RuntimeError`` from ``build`` when no C++20 compiler is available.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -144,8 +145,6 @@ class EmuAttention(CupyAttention):
         return t
 
     def _launch_ctx(self, dev: torch.device):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def _check_device(self, k_cache: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -254,8 +255,6 @@ def _read_gguf_metadata(path: Path) -> dict[str, object]:
     Raises:
         ValueError: not a GGUF file, big-endian, or an unknown value type.
     """
-    import struct
-
     with open(path, "rb") as f:
         head = f.read(24)
         if len(head) < 24 or head[:4] != b"GGUF":

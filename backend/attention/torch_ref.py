@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backend import cpu_kernels
 from backend.attention.base import AttentionMetadata
 
 #: cache dtypes the C++ decode kernel reads (a float16 cache, allowed on CPU, takes the torch path)
@@ -50,8 +51,6 @@ class TorchAttention:
         use it for decode on CPU caches (falls back to the torch code when it is unavailable)."""
         self._cpu_kernel = None
         if cpu_kernel:
-            from backend import cpu_kernels
-
             self._cpu_kernel = cpu_kernels.load()
         self._eye: dict = {}  # (dtype, device, nkv, scale) -> block-diagonal scaled identity
         self._tri: dict = {}  # tile -> [tile, tile] bool, True above the diagonal

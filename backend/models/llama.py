@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from backend import cpu_kernels
 from backend.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -279,8 +280,6 @@ class LlamaModel:
         self.int4_max_rows = int4_max_rows if weights.q4 else 0
         self.cpu_kernels = None
         if fused and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            from backend import cpu_kernels
-
             self.cpu_kernels = cpu_kernels.load()
         t = weights.tensors
         q4 = weights.q4
