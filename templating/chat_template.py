@@ -12,15 +12,18 @@ Sources followed:
 * OpenAI Chat Completions API reference (``messages[].content`` is a string, null for an assistant with
   ``tool_calls``, or an array of content parts).
 
+Errors are ``templating.errors.TemplateError`` subclasses carrying OpenAI's ``message``/``param``/``code``
+(the gateway answers them with a 400 ``invalid_request_error``).
+
 Rules of this gateway (documented in ``docs/text.md``):
 
 * Text parts of one message are joined in order with ``TEXT_PART_SEPARATOR`` (``"\\n"``, vLLM's choice);
   an assistant's ``refusal`` parts count as text.
-  A part of any other type (``image_url``, ``input_audio``, ``file``...) is a 400 naming
-  ``messages[i].content[j].type``.
+  A part of any other type (``image_url``, ``input_audio``, ``file``...) is an ``InvalidConversation``
+  naming ``messages[i].content[j].type``.
 * Consecutive messages with the same role are NOT merged: each renders as its own block (ChatML does this).
 * Roles are OpenAI's: ``system``, ``developer``, ``user``, ``assistant``, ``tool`` and the legacy
-  ``function``; any other role is a 400 naming ``messages[i].role``. ``developer`` (newer OpenAI role) is
+  ``function``; any other role is an ``InvalidConversation`` naming ``messages[i].role``. ``developer`` (newer OpenAI role) is
   rendered as ``system``.
 * Control tokens: only the special tokens the template itself writes become special ids. Every string that
   comes from the client (contents, names, roles, tool calls, tool definitions) is encoded as literal text
@@ -48,7 +51,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.errors import InvalidRequest
+from templating.errors import InvalidConversation, TemplateRejected
 from templating.tokenizer import TextTokenizer
 
 __all__ = ["ChatTemplate", "ChatPrompt", "normalize_messages", "TEXT_PART_SEPARATOR"]
@@ -84,12 +87,12 @@ class ChatPrompt:
 # ---------------------------------------------------------------------------------------------------
 
 
-class _TemplateError(Exception):
+class _TemplateRaised(Exception):
     """Raised by ``raise_exception`` inside a template."""
 
 
 def _raise_exception(message: str) -> None:
-    raise _TemplateError(str(message))
+    raise _TemplateRaised(str(message))
 
 
 def _strftime_now(fmt: str) -> str:
@@ -135,32 +138,36 @@ def _content_to_text(content: Any, param: str, role: str = "user") -> str:
         return content
     if isinstance(content, (list, tuple)):
         if not content:
-            raise InvalidRequest(f"'{param}' must not be an empty array.", param=param)
+            raise InvalidConversation(f"'{param}' must not be an empty array.", param=param)
         texts: list[str] = []
         for j, part in enumerate(content):
             pp = f"{param}[{j}]"
             if not isinstance(part, dict):
-                raise InvalidRequest(f"'{pp}' must be an object.", param=pp)
+                raise InvalidConversation(f"'{pp}' must be an object.", param=pp)
             ptype = part.get("type")
             if ptype == "refusal" and role == "assistant":  # OpenAI assistant content part
                 refusal = part.get("refusal")
                 if not isinstance(refusal, str):
-                    raise InvalidRequest(f"'{pp}.refusal' must be a string.", param=f"{pp}.refusal")
+                    raise InvalidConversation(f"'{pp}.refusal' must be a string.", param=f"{pp}.refusal")
                 texts.append(refusal)
                 continue
             if ptype != "text":
                 if not isinstance(ptype, str):
-                    raise InvalidRequest(f"'{pp}.type' is required and must be a string.", param=f"{pp}.type")
-                raise InvalidRequest(
+                    raise InvalidConversation(
+                        f"'{pp}.type' is required and must be a string.", param=f"{pp}.type"
+                    )
+                raise InvalidConversation(
                     f"'{pp}.type' is {ptype!r}: this model accepts only 'text' content parts.",
                     param=f"{pp}.type",
                 )
             text = part.get("text")
             if not isinstance(text, str):
-                raise InvalidRequest(f"'{pp}.text' is required and must be a string.", param=f"{pp}.text")
+                raise InvalidConversation(
+                    f"'{pp}.text' is required and must be a string.", param=f"{pp}.text"
+                )
             texts.append(text)
         return TEXT_PART_SEPARATOR.join(texts)
-    raise InvalidRequest(f"'{param}' must be a string or an array of content parts.", param=param)
+    raise InvalidConversation(f"'{param}' must be a string or an array of content parts.", param=param)
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -170,7 +177,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     (``name``, ``tool_calls``, ``tool_call_id``...) are kept as given.
 
     Raises:
-        InvalidRequest: ``messages`` not a non-empty array (param ``messages``); a message not an object
+        InvalidConversation: ``messages`` not a non-empty array (param ``messages``); a message not an object
             (``messages[i]``); ``role`` missing, not a string or not one of ``VALID_ROLES``
             (``messages[i].role``, code ``invalid_value`` for an unknown role); content
             missing/null for a non-assistant message or of the wrong type (``messages[i].content``); a
@@ -178,17 +185,19 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             (``messages[i].content[j].text``).
     """
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
+        raise InvalidConversation("'messages' must be a non-empty array.", param="messages")
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise InvalidRequest(f"'{p}' must be an object.", param=p)
+            raise InvalidConversation(f"'{p}' must be an object.", param=p)
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"'{p}.role' is required and must be a non-empty string.", param=f"{p}.role")
+            raise InvalidConversation(
+                f"'{p}.role' is required and must be a non-empty string.", param=f"{p}.role"
+            )
         if role not in VALID_ROLES:
-            raise InvalidRequest(
+            raise InvalidConversation(
                 f"Invalid value for '{p}.role': {role[:64]!r}. Supported values are: {', '.join(repr(r) for r in VALID_ROLES)}.",
                 param=f"{p}.role",
                 code="invalid_value",
@@ -197,7 +206,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         content = m.get("content")
         if content is None:
             if role not in _NULL_CONTENT_ROLES:
-                raise InvalidRequest(f"'{p}.content' is required for role {role!r}.", param=f"{p}.content")
+                raise InvalidConversation(
+                    f"'{p}.content' is required for role {role!r}.", param=f"{p}.content"
+                )
             # OpenAI allows a null assistant content with tool_calls; without them it is an empty message.
             text = None if m.get("tool_calls") or m.get("function_call") else ""
         else:
@@ -335,16 +346,18 @@ class ChatTemplate:
             ChatPrompt(text, ids).
 
         Raises:
-            InvalidRequest: bad messages (see ``normalize_messages``); both flags true
+            InvalidConversation: bad messages (see ``normalize_messages``); both flags true
                 (param ``continue_final_message``); continue_final_message with a final message that is not
-                the assistant's or whose content the template does not render (param ``messages``);
-                ``tools`` not a list of objects (param ``tools``); an assistant message with null content
-                (it has ``tool_calls``) when the template does not render ``tool_calls``
-                (``messages[i].content``, code ``unsupported_value``); the template raised or failed on this
-                input (param ``messages``; the message names no Python exception).
+                the assistant's (``messages[i].role``); ``tools`` not a list of objects (param ``tools``); an
+                assistant message with null content (it has ``tool_calls``) when the template does not render
+                ``tool_calls`` (``messages[i].content``, code ``unsupported_value``).
+            TemplateRejected: the template raised or failed on this input (param ``messages``, code
+                ``invalid_value`` for a failure; the message names no Python exception), or it does not
+                render the final message's content that continue_final_message continues (param
+                ``messages``).
         """
         if continue_final_message and add_generation_prompt:
-            raise InvalidRequest(
+            raise InvalidConversation(
                 "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
                 param="continue_final_message",
             )
@@ -352,14 +365,14 @@ class ChatTemplate:
         if not self.supports_tool_calls:
             for i, m in enumerate(msgs):
                 if m["content"] is None:  # an assistant with tool_calls/function_call and null content
-                    raise InvalidRequest(
+                    raise InvalidConversation(
                         f"'messages[{i}].content' is null, but this model's chat template does not render 'tool_calls': "
                         "give the assistant message a text content.",
                         param=f"messages[{i}].content",
                         code="unsupported_value",
                     )
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise InvalidRequest("'tools' must be an array of objects.", param="tools")
+            raise InvalidConversation("'tools' must be an array of objects.", param="tools")
 
         neut = _Neutralizer(self._specials)
         msgs = neut.apply(msgs)
@@ -369,7 +382,7 @@ class ChatTemplate:
         if continue_final_message:
             last = msgs[-1]
             if last["role"] != "assistant":
-                raise InvalidRequest(
+                raise InvalidConversation(
                     "'continue_final_message' needs the final message to be from the assistant.",
                     param=f"messages[{len(msgs) - 1}].role",
                 )
@@ -387,11 +400,13 @@ class ChatTemplate:
         )
         try:
             text = self._template.render(**ctx)
-        except _TemplateError as e:
-            raise InvalidRequest(f"The chat template rejected the messages: {e}", param="messages") from None
+        except _TemplateRaised as e:
+            raise TemplateRejected(
+                f"The chat template rejected the messages: {e}", param="messages"
+            ) from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             log.info("chat template failed on a request: %s", type(e).__name__)  # internals stay in the log
-            raise InvalidRequest(
+            raise TemplateRejected(
                 "The model's chat template could not render these messages (a field is missing or of a type it "
                 "does not accept).",
                 param="messages",
@@ -401,7 +416,7 @@ class ChatTemplate:
         if marker is not None:
             cut = text.rfind(marker)
             if cut < 0:
-                raise InvalidRequest(
+                raise TemplateRejected(
                     "'continue_final_message': the chat template does not render the final message's content.",
                     param="messages",
                 )
