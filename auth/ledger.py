@@ -2,8 +2,9 @@
 
 ``record(row)`` is synchronous and never blocks (safe in a cancel-shielded ``finally``). The writer task
 takes whatever is queued (up to ``batch`` rows) and inserts it in one SQLite transaction in the DB thread.
-``aclose()`` (called when :class:`gateway.tenancy.Tenancy` closes) drains the queue, so no row is lost
-on an orderly shutdown; rows are durable once written (SQLite WAL).
+``aclose()`` (called when the gateway's tenant services close) drains the queue, so no row is lost on an
+orderly shutdown; rows are durable once written (SQLite WAL). ``tokens_on_day`` reads what was billed on a day
+(the seed of a daily quota, ``ratelimit.admission``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import trio
 
 from .store import AsyncStore, Store
 
-log = logging.getLogger("gateway.tenancy.ledger")
+log = logging.getLogger("auth.ledger")
 
 
 class UsageLedger:
@@ -37,6 +38,12 @@ class UsageLedger:
             self._idle = trio.Event() if self._idle.is_set() else self._idle
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             log.error("usage ledger closed; dropping a row for tenant %s", row.get("tenant_id"))
+
+    async def tokens_on_day(
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
+    ) -> int:
+        """Tokens (prompt + completion) written for a tenant or a key on UTC ``day`` (``YYYY-MM-DD``)."""
+        return await self.store.call(Store.tokens_on_day, tenant_id=tenant_id, key_id=key_id, day=day)
 
     async def flush(self) -> None:
         """Wait until every row queued so far is written."""

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from auth.store import Store  # noqa: E402
-from gateway.tenancy import Tenancy  # noqa: E402
+from gateway.tenants import Tenants  # noqa: E402
 from ratelimit.core import Limits  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def run(db: str, redis_url: str | None, n: int, concurrency: int) -> dict[str, float]:
-    async with Tenancy.open(db, redis_url=redis_url, announce=lambda s: None) as t:
+    async with Tenants(db, redis_url=redis_url, announce=lambda s: None).running() as t:
         lim = Limits(rpm=10**9, tpm=10**12, max_concurrent=10**6, daily_tokens=10**15)
         tn = await t.store.call(Store.create_tenant, f"bench-{time.time_ns()}", lim)
         key, _ = await t.store.call(Store.create_key, tn.id)
@@ -52,7 +52,7 @@ async def run(db: str, redis_url: str | None, n: int, concurrency: int) -> dict[
 
         async def one() -> None:
             t0 = time.perf_counter_ns()
-            p = await t.authenticate(scope)
+            p = await t.authenticate(scope["headers"])
             async with t.admit(p, prompt_tokens=100, max_tokens=200, model="bench") as r:
                 enter.append((time.perf_counter_ns() - t0) / 1000)  # what a client waits before generation
                 r.finish(completion_tokens=50, finish_reason="stop", status=200)

@@ -223,10 +223,13 @@ async def _plugins(gw: Gateway, args: argparse.Namespace, nursery: trio.Nursery)
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
 
+    from gateway.admin.routes import admin_routes, usage_routes
     from gateway.filters import TenantFilters
-    from gateway.tenancy import DEFAULT_DB_PATH, Tenancy, TenancyMiddleware
+    from gateway.middleware.auth import AuthMiddleware
+    from gateway.openapi import openapi_routes
+    from gateway.tenants import DEFAULT_DB_PATH, Tenants
 
-    tenancy = Tenancy(args.db or DEFAULT_DB_PATH, redis_url=args.redis_url, admin_key=args.admin_key)
+    tenancy = Tenants(args.db or DEFAULT_DB_PATH, redis_url=args.redis_url, admin_key=args.admin_key)
     await tenancy.start(nursery)
     gw.tenancy = tenancy
     gw.filters = TenantFilters()
@@ -236,16 +239,16 @@ async def _plugins(gw: Gateway, args: argparse.Namespace, nursery: trio.Nursery)
         return FileResponse(os.path.join(static, "index.html"), headers={"cache-control": "no-cache"})
 
     routes: list = [
-        Mount("/admin/v1", routes=tenancy.routes()),
-        *tenancy.openapi_routes(),
-        *tenancy.tenant_routes(),
+        Mount("/admin/v1", routes=admin_routes(tenancy)),
+        *openapi_routes(),
+        *usage_routes(tenancy),
     ]
     if os.path.isdir(static):
         routes += [
             Route("/", index, methods=["GET"]),
             Mount("/static", StaticFiles(directory=static), name="static"),
         ]
-    return routes, [Middleware(TenancyMiddleware, tenancy=tenancy)]
+    return routes, [Middleware(AuthMiddleware, tenants=tenancy)]
 
 
 def _wrap(app: Any, gw: Gateway) -> Any:

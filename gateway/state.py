@@ -3,17 +3,24 @@ the handlers: backend pool, tokenizer, chat template, tenancy, filters, metrics)
 
 from __future__ import annotations
 
-import hmac
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import msgspec
 import trio
 from starlette.requests import Request
 
+from auth.authenticator import Authenticator
+from auth.errors import AuthError
+from auth.principal import Principal
 from backend.protocol import ModelCard
-from gateway.errors import AuthenticationError, NotFound, PermissionDenied, ServiceUnavailable
+from gateway.error_map import api_error
+from gateway.errors import NotFound, ServiceUnavailable
+from gateway.tenants import Tenants
+from ratelimit.reservation import Reservation
 
 
 class GatewayConfig(msgspec.Struct, kw_only=True):
@@ -44,7 +51,7 @@ class Gateway:
         tokenizer: Any,
         template: Any,
         *,
-        tenancy: Any = None,
+        tenancy: Tenants | None = None,
         filters: Any = None,
         metrics: Any = None,
     ) -> None:
@@ -99,17 +106,28 @@ class Gateway:
             code="model_not_found",
         )
 
-    async def authenticate(self, request: Request) -> Any:
+    def principal(self, request: Request) -> Principal | None:
+        """The principal the auth middleware found for this request; None without tenancy or on a public
+        path. A plain read: the middleware authenticated the request once already."""
+        found = request.scope.get("state", {}).get("principal")
+        return found if isinstance(found, Principal) else None
+
+    async def authenticate(self, request: Request) -> Principal | None:
+        """The request's principal: the auth middleware's, else (an app without it) authenticated here; None
+        without tenancy. Raises ``AuthenticationError`` (401)."""
         if self.tenancy is None:
             return None
-        return await self.tenancy.authenticate(request)
+        return await self.tenancy.principal(request.scope)
 
-    def admission(self, principal: Any, prompt_tokens: int, max_tokens: int, model: str) -> Any:
-        """``factory(request_id)`` -> tenancy admission context (429 ``RateLimited`` on enter), or None."""
+    def admission(
+        self, principal: Principal | None, prompt_tokens: int, max_tokens: int, model: str
+    ) -> Callable[[str], AbstractAsyncContextManager[Reservation]] | None:
+        """``factory(request_id)`` -> the admission context (429 ``RateLimited``, 503 on enter; see
+        ``Tenants.admit``), or None without tenancy."""
         if self.tenancy is None or principal is None:
             return None
-        tenancy = self.tenancy
-        return lambda rid: tenancy.admit(
+        tenants = self.tenancy
+        return lambda rid: tenants.admit(
             principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=rid
         )
 
@@ -122,16 +140,14 @@ class Gateway:
         return lambda: self.filters.output_filter(principal)
 
     async def check_admin(self, request: Request) -> None:
-        """Bearer admin key check. Raises AuthenticationError (401) / PermissionDenied (403)."""
+        """Pass only the admin key (the auth middleware's verdict when it ran). Raises ``AuthenticationError``
+        (401) or ``PermissionDenied`` (403, a tenant key)."""
         if self.tenancy is not None:
-            await self.tenancy.require_admin(request)
+            await self.tenancy.require_admin(request.scope)
             return
-        key = self.config.admin_key
-        auth = request.headers.get("authorization", "")
-        if not auth.lower().startswith("bearer "):
-            raise AuthenticationError("Missing admin key (Authorization: Bearer <admin key>).")
-        given = auth[7:].strip()
-        if key is None or not hmac.compare_digest(given.encode(), key.encode()):
-            if self.tenancy is not None:
-                raise PermissionDenied("This key may not use admin routes.", code="not_admin")
-            raise AuthenticationError("Incorrect admin key provided.")
+        try:  # no tenancy: no tenant keys, only the configured admin key passes
+            await Authenticator(None, admin_key=self.config.admin_key).check_admin(
+                request.scope.get("headers") or [], request.scope.get("query_string") or b""
+            )
+        except AuthError as e:
+            raise api_error(e) from None

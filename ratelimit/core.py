@@ -28,6 +28,10 @@ from typing import Any
 DEFAULT_WINDOW_S = 60.0
 
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "daily_tokens")
+# the response headers of :func:`headers_for` (OpenAI's names), limit before remaining before reset
+RATE_LIMIT_HEADERS = tuple(
+    f"x-ratelimit-{what}-{dim}" for what in ("limit", "remaining", "reset") for dim in ("requests", "tokens")
+)
 
 
 @dataclass(frozen=True)

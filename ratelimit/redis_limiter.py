@@ -204,5 +204,9 @@ class RedisLimiter:
     def has_daily(self, key: str) -> bool:
         return False
 
+    async def ping(self) -> None:
+        """Raise ``OSError`` / ``RedisError`` unless the server answers ``PING``."""
+        await self.client.execute("PING")
+
     async def aclose(self) -> None:
         await self.client.aclose()

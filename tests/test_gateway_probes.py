@@ -24,9 +24,9 @@ from starlette.routing import Route
 from backend.protocol import ModelCard
 from gateway.app import _api_error, list_models, retrieve_model
 from gateway.errors import APIError
+from gateway.middleware.auth import classify_path
 from gateway.middleware.drain import DrainGate
 from gateway.state import Gateway, GatewayConfig
-from gateway.tenancy import classify_path
 
 
 def test_health_is_public_liveness(gateway):

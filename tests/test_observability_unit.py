@@ -271,13 +271,13 @@ async def test_access_log_has_no_key_and_content_only_when_enabled(caplog, log_c
 
 async def test_tenant_taken_from_auth_principal_when_handler_failed_early(caplog):
     """A request refused before the handler named its tenant (e.g. a blocked prompt) is still logged and counted with it."""
-    from gateway.tenancy import Principal
+    from auth.principal import Principal
     from ratelimit.core import Limits
 
     m = GatewayMetrics("m", tenant_label=True)
     inner = make_app(m)
 
-    async def with_principal(scope, receive, send):  # what TenancyMiddleware leaves in the scope
+    async def with_principal(scope, receive, send):  # what AuthMiddleware leaves in the scope
         if scope["type"] == "http":
             scope.setdefault("state", {})["principal"] = Principal("tn_x", "x", "key_1", "sk-gw-Ab", Limits())
         await inner.app(scope, receive, send)

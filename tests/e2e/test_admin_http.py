@@ -1,5 +1,5 @@
-"""Admin API and auth middleware over HTTP: a small starlette app (TenancyMiddleware + admin routes + a fake
-chat route using ``admit``) served by real hypercorn on loopback."""
+"""Admin API and auth middleware over HTTP: a small starlette app (AuthMiddleware, the admin routes, /v1/usage,
+/openapi.json and a fake chat route using ``admit``) served by real hypercorn on loopback."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
+from gateway.admin.routes import admin_routes, usage_routes
 from gateway.errors import APIError
-from gateway.tenancy import Tenancy, TenancyMiddleware
+from gateway.middleware.auth import AuthMiddleware
+from gateway.openapi import openapi_routes
+from gateway.tenants import Tenants
 
 ADMIN = "admin-test-secret-123"
 
@@ -31,7 +34,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_app(t: Tenancy) -> Starlette:
+def make_app(t: Tenants) -> Starlette:
     async def chat(request: Request):
         body = await request.json()
         try:
@@ -55,11 +58,11 @@ def make_app(t: Tenancy) -> Starlette:
     routes = [
         Route("/healthz", health),
         Route("/v1/chat/completions", chat, methods=["POST"]),
-        Mount("/admin/v1", routes=t.routes()),
-        *t.openapi_routes(),
-        *t.tenant_routes(),
+        Mount("/admin/v1", routes=admin_routes(t)),
+        *openapi_routes(),
+        *usage_routes(t),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(TenancyMiddleware, tenancy=t)])
+    return Starlette(routes=routes, middleware=[Middleware(AuthMiddleware, tenants=t)])
 
 
 @asynccontextmanager
@@ -81,7 +84,7 @@ async def served(app):
 async def env(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     said: list[str] = []
-    async with Tenancy.open(str(tmp_path / "g.db"), admin_key=ADMIN, announce=said.append) as t:
+    async with Tenants(str(tmp_path / "g.db"), admin_key=ADMIN, announce=said.append).running() as t:
         async with served(make_app(t)) as client:
             yield t, client, said
 
@@ -91,6 +94,11 @@ A = {"authorization": f"Bearer {ADMIN}"}
 
 def bearer(k: str) -> dict:
     return {"authorization": f"Bearer {k}"}
+
+
+def limits(**given) -> dict:
+    """A whole limits object (what PUT .../limits takes): the given limits, the others unlimited."""
+    return {"rpm": None, "tpm": None, "max_concurrent": None, "daily_tokens": None, **given}
 
 
 async def test_admin_flow_and_security(env, caplog, capfd):
@@ -221,13 +229,13 @@ async def test_limits_and_filters_via_admin(env):
     t, c, _ = env
     tn = (await c.post("/admin/v1/tenants", json={"name": "lim"}, headers=A)).json()
     key = (await c.post(f"/admin/v1/tenants/{tn['id']}/keys", headers=A)).json()["key"]
-    r = await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"rpm": 2, "tpm": None}, headers=A)
+    r = await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json=limits(rpm=2), headers=A)
     assert r.status_code == 200 and r.json()["rpm"] == 2
     assert (
-        await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"rpm": -3}, headers=A)
+        await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json=limits(rpm=-3), headers=A)
     ).status_code == 400
     assert (
-        await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"bogus": 1}, headers=A)
+        await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={**limits(), "bogus": 1}, headers=A)
     ).status_code == 400
     assert (await c.get("/admin/v1/tenants/lim/limits", headers=A)).json()["rpm"] == 2  # name works as id
     codes = [
@@ -241,7 +249,7 @@ async def test_limits_and_filters_via_admin(env):
     assert int(r.headers["retry-after"]) >= 1 and int(r.headers["retry-after-ms"]) > 0
     assert r.headers["x-ratelimit-remaining-requests"] == "0"
     # raising the limit applies at once
-    await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json={"rpm": 10}, headers=A)
+    await c.put(f"/admin/v1/tenants/{tn['id']}/limits", json=limits(rpm=10), headers=A)
     assert (
         await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
     ).status_code == 200
@@ -256,20 +264,15 @@ async def test_limits_and_filters_via_admin(env):
         await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
     ).status_code == 200
 
-    # filters: opaque JSON, validated by gateway.filters.parse_config when present
+    # filters: opaque JSON, validated by gateway.filters.parse_config
     assert (await c.get(f"/admin/v1/tenants/{tn['id']}/filters", headers=A)).json() == {}
     r = await c.put(f"/admin/v1/tenants/{tn['id']}/filters", content=b"{not json", headers=A)
     assert r.status_code == 400
-    try:
-        from gateway.filters import parse_config
-    except ImportError:
-        parse_config = None
-    if parse_config is not None:
-        r = await c.put(f"/admin/v1/tenants/{tn['id']}/filters", json={"hooks": "nonsense"}, headers=A)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "filters"
+    r = await c.put(f"/admin/v1/tenants/{tn['id']}/filters", json={"hooks": "nonsense"}, headers=A)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "filters"
     r = await c.put(f"/admin/v1/tenants/{tn['id']}/filters", json={}, headers=A)
     assert r.status_code == 200
-    p = await t.authenticate({"headers": [(b"authorization", f"Bearer {key}".encode())], "query_string": b""})
+    p = await t.authenticate([(b"authorization", f"Bearer {key}".encode())])
     assert p.filters == {}
 
     # delete: gone, keys revoked
@@ -303,7 +306,118 @@ async def test_concurrent_http_admissions_exact(env):
 
 
 async def test_admin_api_disabled_without_admin_key(tmp_path):
-    async with Tenancy.open(str(tmp_path / "g.db"), admin_key=None, announce=lambda s: None) as t:
+    async with Tenants(str(tmp_path / "g.db"), admin_key=None, announce=lambda s: None).running() as t:
         async with served(make_app(t)) as c:
             assert (await c.get("/admin/v1/tenants", headers=bearer("anything"))).status_code == 401
             assert (await c.get("/admin/v1/tenants", headers=bearer(t.default_key))).status_code == 403
+
+
+async def test_limits_put_takes_the_whole_object_patch_a_part(env):
+    """An empty or partial PUT .../limits used to remove every limit it did not name; now PUT takes the whole
+    object (400 naming the first missing field, nothing changed) and PATCH changes only what it names."""
+    t, c, _ = env
+    r = await c.post(
+        "/admin/v1/tenants",
+        json={"name": "typed", "limits": {"rpm": 5, "tpm": 100, "window_s": 30}},
+        headers=A,
+    )
+    url = f"/admin/v1/tenants/{r.json()['id']}/limits"
+    before = (await c.get(url, headers=A)).json()
+    assert before == {"rpm": 5, "tpm": 100, "max_concurrent": None, "daily_tokens": None, "window_s": 30.0}
+    for kw, param in (
+        ({}, "rpm"),
+        ({"json": {}}, "rpm"),
+        ({"json": {"rpm": 1, "tpm": 2}}, "max_concurrent"),
+        ({"json": {"rpm": 1, "tpm": 2, "max_concurrent": 3}}, "daily_tokens"),
+    ):
+        r = await c.put(url, headers=A, **kw)
+        assert r.status_code == 400, (kw, r.text)
+        e = r.json()["error"]
+        assert (e["param"], e["code"], e["type"]) == (
+            param,
+            "missing_required_parameter",
+            "invalid_request_error",
+        )
+        assert param in e["message"]
+    for body, param, code in (
+        ({**limits(), "rpm": "x"}, "rpm", "invalid_type"),
+        ({**limits(), "daily_tokens": 1.5}, "daily_tokens", "invalid_type"),
+        ({**limits(), "tpm": -1}, "tpm", "invalid_value"),
+        ({**limits(), "window_s": 0}, "window_s", "invalid_value"),
+        ({**limits(), "rpm": True}, "rpm", "invalid_type"),
+        ({**limits(), "burst": 3}, "burst", "unknown_parameter"),
+    ):
+        r = await c.put(url, json=body, headers=A)
+        assert r.status_code == 400, (body, r.text)
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), (body, r.text)
+    r = await c.put(url, json=[1, 2], headers=A)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type"
+    assert (await c.get(url, headers=A)).json() == before  # no failed PUT changed anything
+
+    r = await c.patch(url, json={"tpm": 500}, headers=A)
+    assert r.status_code == 200 and r.json() == {**before, "tpm": 500}
+    assert (await c.patch(url, json={}, headers=A)).json() == {**before, "tpm": 500}
+    assert (await c.patch(url, headers=A)).json() == {**before, "tpm": 500}
+    assert (await c.patch(url, json={"rpm": None}, headers=A)).json()["rpm"] is None
+    r = await c.patch(url, json={"rpm": "many"}, headers=A)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rpm"
+    r = await c.put(url, json=limits(rpm=7), headers=A)  # whole object; window_s absent: the current stays
+    assert r.json() == {**limits(rpm=7), "window_s": 30.0}
+    r = await c.put(url, json=limits(max_concurrent=2, window_s=60), headers=A)
+    assert r.json() == {**limits(max_concurrent=2), "window_s": 60.0}
+
+
+async def test_tenant_and_key_bodies_are_typed(env):
+    t, c, _ = env
+    for body, param, code in (
+        ({}, "name", "missing_required_parameter"),
+        ({"name": 5}, "name", "invalid_type"),
+        ({"name": ""}, "name", "invalid_value"),
+        ({"name": "   "}, "name", "invalid_value"),
+        ({"name": "x" * 129}, "name", "invalid_value"),
+        ({"name": "z", "limits": {"rpm": -1}}, "limits.rpm", "invalid_value"),
+        ({"name": "z", "limits": {"rpm": 1, "bogus": 1}}, "limits.bogus", "unknown_parameter"),
+        ({"name": "z", "limits": [1]}, "limits", "invalid_type"),
+        ({"name": "z", "disabled": "yes"}, "disabled", "invalid_type"),
+        ({"name": "z", "colour": "red"}, "colour", "unknown_parameter"),
+    ):
+        r = await c.post("/admin/v1/tenants", json=body, headers=A)
+        assert r.status_code == 400, (body, r.text)
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), (body, r.text)
+    assert [x["name"] for x in (await c.get("/admin/v1/tenants", headers=A)).json()["data"]] == ["default"]
+    r = await c.post("/admin/v1/tenants", json={"name": " z ", "disabled": True}, headers=A)
+    assert r.status_code == 201 and (r.json()["name"], r.json()["disabled"]) == ("z", True)
+    tid = r.json()["id"]
+    assert r.json()["limits"] == {**limits(), "window_s": 60.0}
+    for body, param in (
+        ({"disabled": 1}, "disabled"),
+        ({"name": None}, "name"),
+        ({"filters": {"hooks": 3}}, "filters"),
+    ):
+        r = await c.patch(f"/admin/v1/tenants/{tid}", json=body, headers=A)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = await c.patch(f"/admin/v1/tenants/{tid}", json={"limits": {"rpm": 3}}, headers=A)
+    assert r.status_code == 200 and r.json()["limits"]["rpm"] == 3 and r.json()["disabled"] is True
+
+    for body, param in (
+        ({"limits": {"tpm": "x"}}, "limits.tpm"),
+        ({"name": 3}, "name"),
+        ({"expires_at": {}}, "expires_at"),
+    ):
+        r = await c.post(f"/admin/v1/tenants/{tid}/keys", json=body, headers=A)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = await c.post(f"/admin/v1/tenants/{tid}/keys", json={"limits": {"rpm": 2}}, headers=A)
+    assert r.status_code == 201 and r.json()["limits"] == {**limits(rpm=2), "window_s": 60.0}
+    kid = r.json()["id"]
+    r = await c.patch(f"/admin/v1/keys/{kid}", json={"limits": {"bogus": 1}}, headers=A)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limits.bogus"
+    r = await c.patch(f"/admin/v1/keys/{kid}", json={"limits": None, "name": "k2"}, headers=A)
+    assert r.status_code == 200 and (r.json()["limits"], r.json()["name"]) == (None, "k2")
+
+    # PUT filters replaces the config: it needs a body (an empty one used to wipe it)
+    await c.put(f"/admin/v1/tenants/{tid}/filters", json={"hooks": []}, headers=A)
+    r = await c.put(f"/admin/v1/tenants/{tid}/filters", headers=A)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert (await c.get(f"/admin/v1/tenants/{tid}/filters", headers=A)).json() == {"hooks": []}
+    r = await c.post("/admin/v1/tenants", content=b"x" * (256 * 1024 + 1), headers=A)
+    assert r.status_code == 413

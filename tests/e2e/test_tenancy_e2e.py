@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 import trio
+from plugins.redis_server import start_redis
 
 pytestmark = pytest.mark.slow
 
@@ -127,8 +128,8 @@ async def test_e2e_rpm_exact_with_headers(gw):
             and r.headers["x-ratelimit-remaining-requests"] == "0"
         )
     assert all(r.headers.get("x-ratelimit-limit-requests") == "10" for r in ok)
-    # raise the limit: passes at once
-    httpx.put(
+    # raise the limit: passes at once (PATCH changes the limits it names; PUT takes the whole object)
+    httpx.patch(
         gw.base_url + f"/admin/v1/tenants/{t['id']}/limits",
         json={"rpm": 20, "window_s": 3600},
         headers=gw.admin_headers(),
@@ -184,43 +185,6 @@ def test_e2e_openapi_covers_admin_and_chat(gw):
 # ----------------------------------------------------------------------------- several gateway processes
 
 
-def _start_redis(tmp_path):
-    import shutil
-    import socket
-    import subprocess
-    import time
-
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed (make sysdeps)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
 def _start_backend(tmp_path, model_path):
     import socket
     import subprocess
@@ -242,7 +206,7 @@ def _start_backend(tmp_path, model_path):
             "--dtype",
             "float32",
         ],
-        cwd=str(Path(__file__).resolve().parent.parent),
+        cwd=str(Path(__file__).resolve().parents[2]),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -263,7 +227,7 @@ def test_e2e_two_gateways_share_redis_limits_and_db_survives_restart(gw, make_ga
     """Two gateway processes (one shared backend, one SQLite DB, one Redis) admit exactly the limit in total;
     a revocation made through one applies in the other; a third process started on the same DB still has
     the usage and the revocation."""
-    redis_proc, redis_url = _start_redis(tmp_path)
+    redis_proc, redis_url = start_redis(tmp_path)
     backend_proc, backend_url = _start_backend(tmp_path, model_path)
     db = str(tmp_path / "shared.sqlite")
     try:
@@ -314,7 +278,7 @@ def test_e2e_two_gateways_share_redis_limits_and_db_survives_restart(gw, make_ga
         assert chat(g2, key2).status_code == 401
 
         # restart: the usage API flushes the ledger; then both processes are killed hard (a graceful stop would
-        # also shut the shared backend down; graceful ledger flushing is tested in test_tenancy_store.py) and
+        # also shut the shared backend down; graceful ledger flushing is tested in tests/unit/gateway/test_tenants.py) and
         # a new gateway process opens the same DB
         for g in (g1, g2):
             httpx.get(

@@ -1,0 +1,179 @@
+"""Tenants: the gateway's tenant services, opened and closed together.
+
+Parts (each owns its state): the key database (``auth.store.AsyncStore``), key lookup and the admin key check
+(``auth.authenticator.Authenticator``), admission over the rate limits (``ratelimit.admission.Admission``) and the
+usage ledger actor (``auth.ledger.UsageLedger``). This module wires them, runs their lifecycle, and hands the
+gateway their errors as :class:`~gateway.errors.APIError` (:mod:`gateway.error_map`)::
+
+    async with Tenants("./data/gateway.db", redis_url=None, admin_key="...").running() as tenants:
+        principal = await tenants.authenticate(scope["headers"], scope["query_string"])   # 401
+        async with tenants.admit(principal, prompt_tokens=n, max_tokens=m, model=name, request_id=rid) as res:
+            ...                                                                             # 429, 503
+    # or: tenants = Tenants(...); await tenants.start(nursery); ...; await tenants.aclose()
+
+Keys are never logged: the one place a key is printed is the announcement of the ``default`` tenant's first key
+(stderr, once, when the database is created).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import trio
+
+from auth.authenticator import Authenticator
+from auth.credentials import Headers
+from auth.errors import AuthError
+from auth.ledger import UsageLedger
+from auth.principal import Principal
+from auth.store import AsyncStore, Store
+from gateway.error_map import api_error, error_status
+from gateway.middleware.asgi import Scope
+from ratelimit.admission import Admission
+from ratelimit.errors import AdmissionError
+from ratelimit.local import LocalLimiter
+from ratelimit.redis_limiter import RedisLimiter
+from ratelimit.reservation import Reservation
+
+DEFAULT_DB_PATH = "./data/gateway.db"
+
+
+def _to_stderr(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+class Tenants:
+    """Tenants, keys, limits and usage of one gateway process.
+
+    Args:
+        db_path: SQLite file (created with its directory; WAL). ``":memory:"`` for throwaway use.
+        redis_url: ``redis://host:port[/db]`` to share rate-limit state between processes; None: in-process.
+        admin_key: the admin API key (Bearer); None disables the admin API (every admin call: 401).
+        cache_ttl_s: seconds a key lookup is cached (see :mod:`auth.authenticator`).
+        create_default: on an empty database create tenant ``default`` with one key, announced once.
+        redis_prefix: key prefix in Redis.
+        announce: where the default key is announced (default: stderr).
+    """
+
+    def __init__(
+        self,
+        db_path: str = DEFAULT_DB_PATH,
+        *,
+        redis_url: str | None = None,
+        admin_key: str | None = None,
+        cache_ttl_s: float = 1.0,
+        create_default: bool = True,
+        redis_prefix: str = "gw:rl:",
+        announce: Callable[[str], None] = _to_stderr,
+    ) -> None:
+        self.store = AsyncStore(db_path)
+        self.ledger = UsageLedger(self.store)
+        self.authenticator = Authenticator(self.store, admin_key=admin_key, cache_ttl_s=cache_ttl_s)
+        limiter = RedisLimiter(redis_url, prefix=redis_prefix) if redis_url else LocalLimiter()
+        self.admission = Admission(limiter, self.ledger, error_status=error_status)
+        self.create_default = create_default
+        self.default_key: str | None = None  # set (in memory only) when this start created it
+        self._announce = announce
+        self._started = False
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Tenants]:
+        """``async with Tenants(path, ...).running() as t:``: :meth:`start` in a nursery of its own, and on exit
+        :meth:`aclose` (the queued ledger rows are written)."""
+        async with trio.open_nursery() as nursery:
+            await self.start(nursery)
+            try:
+                yield self
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.aclose()
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Open (create, migrate) the database, create the default tenant if it is empty, check the limiter,
+        start the ledger writer in ``nursery``."""
+        await self.store.open()
+        if self.create_default and await self.store.call(Store.count_tenants) == 0:
+            t = await self.store.call(Store.create_tenant, "default")
+            key, _ = await self.store.call(Store.create_key, t.id, name="default")
+            self.default_key = key
+            self._announce(
+                f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now"
+            )
+        await self.admission.start()
+        await nursery.start(self.ledger.run)
+        self._started = True
+
+    async def aclose(self) -> None:
+        """Write the queued ledger rows, close Redis and SQLite. Idempotent."""
+        if not self._started:
+            return
+        self._started = False
+        with trio.CancelScope(shield=True):
+            await self.ledger.aclose()
+            await self.admission.aclose()
+            await self.store.aclose()
+
+    def invalidate(self) -> None:
+        """Forget cached key lookups: a change to keys, tenants or limits applies to the next request."""
+        self.authenticator.invalidate()
+
+    async def authenticate(self, headers: Headers, query_string: bytes = b"") -> Principal:
+        """The principal of a tenant key (see ``Authenticator.authenticate``). Raises
+        :class:`~gateway.errors.AuthenticationError` (401)."""
+        try:
+            return await self.authenticator.authenticate(headers, query_string)
+        except AuthError as e:
+            raise api_error(e) from None
+
+    async def check_admin(self, headers: Headers, query_string: bytes = b"") -> None:
+        """Pass only the admin key. Raises :class:`~gateway.errors.AuthenticationError` (401) or
+        :class:`~gateway.errors.PermissionDenied` (403, a tenant key)."""
+        try:
+            await self.authenticator.check_admin(headers, query_string)
+        except AuthError as e:
+            raise api_error(e) from None
+
+    async def require_admin(self, scope: Scope) -> None:
+        """Pass a request the auth middleware let through as admin, else check its key here (an app without
+        the middleware stays closed). Raises as :meth:`check_admin`."""
+        if scope.get("state", {}).get("admin") is not True:
+            await self.check_admin(scope.get("headers") or [], scope.get("query_string") or b"")
+
+    async def principal(self, scope: Scope) -> Principal:
+        """The principal the auth middleware found for this request, else authenticate it here. Raises as
+        :meth:`authenticate`."""
+        found = scope.get("state", {}).get("principal")
+        if isinstance(found, Principal):
+            return found
+        return await self.authenticate(scope.get("headers") or [], scope.get("query_string") or b"")
+
+    @asynccontextmanager
+    async def admit(
+        self,
+        principal: Principal,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Reservation]:
+        """``Admission.admit`` (see :mod:`ratelimit.admission`) raising :class:`~gateway.errors.RateLimited`
+        (429) or :class:`~gateway.errors.ServiceUnavailable` (503) on entry."""
+        try:
+            async with self.admission.admit(
+                principal,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                model=model,
+                request_id=request_id,
+            ) as res:
+                yield res
+        except AdmissionError as e:
+            raise api_error(e) from None
+
+    async def peek_headers(self, principal: Principal) -> dict[str, str]:
+        """Current ``x-ratelimit-*`` headers of ``principal`` without reserving anything."""
+        return await self.admission.peek_headers(principal)

@@ -1,0 +1,283 @@
+"""Admission: check and reserve every limit of a request at once, true it up at the end, bill the ledger.
+
+A request reserves one request (rpm), ``prompt_tokens + max_tokens`` tokens (tpm and the daily quota, as OpenAI
+counts TPM) and one concurrency slot, for its tenant and, when the key has limits of its own, for its key: all
+or nothing (docs/tenancy.md "Limits and the algorithm")::
+
+    async with admission.admit(principal, prompt_tokens=n, max_tokens=m, model=name, request_id=rid) as res:
+        headers = res.headers              # x-ratelimit-* for the response
+        res.update(completion_tokens=k)    # while streaming: what is billed if the request ends early
+        res.finish(completion_tokens=k, cached_tokens=c, finish_reason="stop", status=200, timings={...})
+
+On exit, however the block ends (normally, by an exception, by cancellation), the unused tokens go back, the
+slot is freed, and one ledger row is queued; with Redis that runs cancel-shielded and bounded.
+Entering raises :class:`~ratelimit.errors.RateLimitExceeded` (429) or
+:class:`~ratelimit.errors.LimiterUnavailable` (503, Redis did not answer; whatever it reserved is taken back).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Protocol
+
+import trio
+
+from .core import Dim, DimResult, build_dims, headers_for
+from .errors import LimiterUnavailable
+from .local import LocalLimiter
+from .redis_limiter import RedisLimiter
+from .refusal import refusal
+from .reservation import Reservation, Subject
+from .resp import RedisError
+
+log = logging.getLogger("ratelimit.admission")
+
+DAY_S = 86400.0  # a POSIX day
+
+
+class UsageBook(Protocol):
+    """Where finished requests are billed, and what was billed on a day (``auth.ledger.UsageLedger``)."""
+
+    def record(self, row: dict[str, object]) -> None: ...
+
+    async def tokens_on_day(
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
+    ) -> int: ...
+
+
+def _no_status(exc: BaseException) -> int:
+    return 500
+
+
+class Admission:
+    """Limits of one process: the limiter's state, the daily-quota seeds, the ledger rows.
+
+    Args:
+        limiter: in-process (:class:`LocalLimiter`) or shared (:class:`RedisLimiter`).
+        ledger: bills finished requests; seeds a daily quota the first time this process sees a day.
+        error_status: the HTTP status billed for a block that ended by an exception (500 if not told).
+        store_timeout_s: seconds one Redis round-trip may take before the request gets 503.
+    """
+
+    def __init__(
+        self,
+        limiter: LocalLimiter | RedisLimiter,
+        ledger: UsageBook,
+        *,
+        error_status: Callable[[BaseException], int] = _no_status,
+        store_timeout_s: float = 5.0,
+    ) -> None:
+        self.limiter = limiter
+        self.ledger = ledger
+        self.error_status = error_status
+        self.store_timeout_s = store_timeout_s
+        self._day_start, self._day_text = -1.0, ""
+        self._seeds: dict[str, int] = {}  # daily counter key -> tokens in the ledger when first seen
+        self._seed_day = ""
+
+    async def start(self) -> None:
+        """Check that the limiter answers (Redis: ``PING``); raises ``OSError``/``RedisError`` if not."""
+        if isinstance(self.limiter, RedisLimiter):
+            await self.limiter.ping()
+
+    async def aclose(self) -> None:
+        await self.limiter.aclose()
+
+    def day(self, now: float) -> tuple[str, float]:
+        """(UTC day ``YYYY-MM-DD``, seconds until the next UTC midnight) of UNIX time ``now``."""
+        start = now - (now % DAY_S)
+        if start != self._day_start:
+            self._day_start = start
+            self._day_text = datetime.fromtimestamp(start, UTC).strftime("%Y-%m-%d")
+        return self._day_text, max(0.001, start + DAY_S - now)
+
+    def dims(self, subject: Subject, tokens: int, now: float) -> list[Dim]:
+        """The dimensions a request of ``tokens`` reserved tokens takes: the tenant's, then the key's."""
+        day, ttl = self.day(now)
+        dims = build_dims(
+            subject.limits,
+            f"t:{subject.tenant_id}",
+            f"tenant {subject.tenant_name}",
+            tokens=tokens,
+            day=day,
+            day_ttl_s=ttl,
+        )
+        if subject.key_limits is not None:
+            dims += build_dims(
+                subject.key_limits,
+                f"k:{subject.key_id}",
+                f"key {subject.key_prefix}...",
+                tokens=tokens,
+                day=day,
+                day_ttl_s=ttl,
+            )
+        return dims
+
+    async def _seed_daily(self, dims: list[Dim], day: str) -> None:
+        """Set ``seed`` of daily dimensions: the tokens already billed that day (read once per process and
+        day), so a restart does not reset a quota. The limiter uses it only for a counter it does not have."""
+        if self._seed_day != day:
+            self._seeds.clear()
+            self._seed_day = day
+            if isinstance(self.limiter, LocalLimiter):
+                self.limiter.prune_daily(day)
+        for d in dims:
+            if d.kind != "daily":
+                continue
+            seed = self._seeds.get(d.key)
+            if seed is None:
+                scope, ident = d.key.split(":")[:2]  # "t:<tenant id>:day:<day>" or "k:<key id>:day:<day>"
+                if scope == "t":
+                    seed = await self.ledger.tokens_on_day(tenant_id=ident, day=day)
+                else:
+                    seed = await self.ledger.tokens_on_day(key_id=ident, day=day)
+                self._seeds[d.key] = seed
+            d.seed = seed
+
+    async def _acquire_shared(self, limiter: RedisLimiter, dims: list[Dim], member: str) -> list[DimResult]:
+        # one Lua script, shielded so that a cancellation cannot lose a reservation made on the server
+        try:
+            with trio.CancelScope(shield=True), trio.fail_after(self.store_timeout_s):
+                outcome = await limiter.acquire(dims, member)
+        except (OSError, RedisError, trio.TooSlowError) as e:
+            log.error("admission: rate-limit store unavailable: %s", type(e).__name__)
+            await self._undo(limiter, dims, member)
+            raise LimiterUnavailable(
+                "The rate limiter is unavailable; try again shortly.",
+                type="server_error",
+                code="rate_limiter_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
+        if not outcome.ok:
+            raise refusal(outcome.results)
+        return outcome.results
+
+    async def _undo(self, limiter: RedisLimiter, dims: list[Dim], member: str) -> None:
+        """The reply to an acquire never came, so the script may have reserved everything anyway: take it back
+        if it did (the acquire's marker says so; never refunds what was not taken). Shielded, bounded."""
+        with trio.CancelScope(shield=True), trio.move_on_after(max(5.0, self.store_timeout_s)):
+            try:
+                if await limiter.undo(dims, member):
+                    log.warning("admission: took back a reservation whose reply was lost")
+            except (OSError, RedisError) as e:
+                log.error(
+                    "admission: could not take back a possibly-made reservation: %s (it expires with its "
+                    "window / lease)",
+                    type(e).__name__,
+                )
+
+    async def reserve(
+        self,
+        subject: Subject,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str | None = None,
+        request_id: str | None = None,
+    ) -> Reservation:
+        """Check and reserve all limits at once. Prefer :meth:`admit`; a reservation from here must be
+        settled with ``await admission.close(res, exc)``.
+
+        Raises:
+            ValueError: a negative token count.
+            RateLimitExceeded: 429, nothing reserved.
+            LimiterUnavailable: 503, nothing reserved.
+        """
+        if prompt_tokens < 0 or max_tokens < 0:
+            raise ValueError("token counts must be >= 0")
+        now = time.time()
+        dims = self.dims(subject, prompt_tokens + max_tokens, now)
+        member = request_id or secrets.token_hex(8)
+        results: list[DimResult] = []
+        if dims:
+            if any(d.kind == "daily" for d in dims):
+                await self._seed_daily(dims, self.day(now)[0])
+            if isinstance(self.limiter, RedisLimiter):
+                results = await self._acquire_shared(self.limiter, dims, member)
+            else:  # no checkpoint between check and reserve: atomic under Trio
+                outcome = self.limiter.acquire_now(dims, member)
+                if not outcome.ok:
+                    raise refusal(outcome.results)
+                results = outcome.results
+        return Reservation(
+            subject, dims, member, prompt_tokens, max_tokens, model, request_id, headers_for(results)
+        )
+
+    async def close(self, res: Reservation, exc: BaseException | None = None) -> dict[str, str]:
+        """True up ``res`` (unused tokens back, slot freed; rpm is not refunded) and queue its ledger row.
+        Idempotent. In-process it runs with no checkpoint; with Redis cancel-shielded, at most 5 s.
+        Returns the ``x-ratelimit-*`` headers after the true-up."""
+        if res.closed:
+            return res.final_headers
+        ended_early = exc is None or isinstance(exc, trio.Cancelled)
+        res.settle(None if ended_early else self.error_status(exc))
+        refunds = {d.key: res.refund for d in res.dims if d.name in ("tokens", "daily_tokens")}
+        results: list[DimResult] = []
+        try:
+            if not res.dims:
+                pass
+            elif isinstance(self.limiter, LocalLimiter):
+                results = self.limiter.release_now(res.dims, res.member, refunds)
+            else:
+                with trio.CancelScope(shield=True), trio.fail_after(5):
+                    results = await self.limiter.release(res.dims, res.member, refunds)
+        except Exception:
+            log.exception("admission: true-up failed for tenant %s", res.subject.tenant_id)
+        res.headers_after = headers_for([r for r in results if r.dim.kind == "bucket"])
+        self._bill(res)
+        return res.final_headers
+
+    @asynccontextmanager
+    async def admit(
+        self,
+        subject: Subject,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Reservation]:
+        """``async with admission.admit(p, prompt_tokens=.., max_tokens=..) as res:`` (see the module doc).
+        Raises on entry what :meth:`reserve` raises; on exit settles the reservation (:meth:`close`)."""
+        res = await self.reserve(
+            subject, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=request_id
+        )
+        try:
+            yield res
+        except BaseException as exc:
+            await self.close(res, exc)
+            raise
+        await self.close(res)
+
+    async def peek_headers(self, subject: Subject) -> dict[str, str]:
+        """Current ``x-ratelimit-*`` headers of ``subject`` without reserving anything."""
+        dims = [d for d in self.dims(subject, 0, time.time()) if d.kind == "bucket"]
+        if not dims:
+            return {}
+        return headers_for(await self.limiter.peek(dims))
+
+    def _bill(self, res: Reservation) -> None:
+        s, now = res.subject, time.time()
+        self.ledger.record(
+            {
+                "ts": now,
+                "day": self.day(now)[0],
+                "tenant_id": s.tenant_id,
+                "key_id": s.key_id,
+                "key_prefix": s.key_prefix,
+                "request_id": res.request_id,
+                "model": res.model,
+                "prompt_tokens": res.prompt_tokens,
+                "cached_tokens": res.cached_tokens,
+                "completion_tokens": res.completion_tokens,
+                "total_tokens": res.used_tokens,
+                "status": res.status,
+                "finish_reason": res.finish_reason,
+                "timings": res.timings,
+            }
+        )
