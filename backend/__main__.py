@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from backend.model_path import DEFAULT_DTYPE, default_model_path
+
 
 def _bytes(s: str) -> int:
     """``123``, ``256MiB``, ``2GiB``, ``1G`` -> bytes."""
@@ -30,7 +32,65 @@ def _bytes(s: str) -> int:
     return int(s)
 
 
+def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> list[argparse.Action]:
+    """Add the engine options (every option but ``--model`` and ``--listen``) to ``parser``; returns their
+    actions. ``python -m gateway serve`` lists and validates them from here and passes them on to the
+    backends it spawns, so the two programs never keep separate lists."""
+    acts = [
+        parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default cpu)"),
+        parser.add_argument(
+            "--dtype",
+            default=DEFAULT_DTYPE,
+            choices=["bfloat16", "float32", "float16"],
+            help=f"compute + KV dtype (default {DEFAULT_DTYPE}: the fast mode; float32: the exact mode, "
+            "batch-invariant greedy output)",
+        ),
+        parser.add_argument(
+            "--attention-backend",
+            default="torch",
+            choices=["torch", "cupy"],
+            help="attention kernels: torch (CPU reference, C++ kernels) or cupy (CUDA) (default torch)",
+        ),
+    ]
+    kv = parser.add_mutually_exclusive_group()
+    acts += [
+        kv.add_argument(
+            "--kv-cache-memory",
+            type=_bytes,
+            default=None,
+            metavar="BYTES",
+            help="KV pool budget (e.g. 256MiB; default 512MiB on CPU, 4GiB on CUDA)",
+        ),
+        kv.add_argument(
+            "--num-kv-blocks",
+            type=int,
+            default=None,
+            metavar="N",
+            help="KV pool size in blocks (instead of --kv-cache-memory)",
+        ),
+        parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)"),
+        parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)"),
+        parser.add_argument(
+            "--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)"
+        ),
+        parser.add_argument(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=None,
+            help="first-pass cap of one prefill chunk in tokens (default max(block size, batched tokens / 4))",
+        ),
+        parser.add_argument(
+            "--no-prefix-caching", action="store_true", help="disable automatic prefix caching"
+        ),
+        parser.add_argument(
+            "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+        ),
+    ]
+    return acts
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m backend`` (``--model``, ``--listen`` and :func:`add_engine_args`)."""
     ap = argparse.ArgumentParser(
         prog="python -m backend", description="LLM inference backend (token-in, token-out)."
     )
@@ -38,28 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)"
     )
     ap.add_argument("--listen", required=True, help="unix:PATH or tcp://HOST:PORT")
-    ap.add_argument("--device", default="cpu")
-    from backend.model_path import DEFAULT_DTYPE
-
-    ap.add_argument(
-        "--dtype",
-        default=DEFAULT_DTYPE,
-        choices=["bfloat16", "float32", "float16"],
-        help=f"compute + KV dtype (default {DEFAULT_DTYPE}: the fast mode; float32: the exact mode, "
-        "batch-invariant greedy output)",
-    )
-    ap.add_argument("--attention-backend", default="torch", choices=["torch", "cupy"])
-    kv = ap.add_mutually_exclusive_group()
-    kv.add_argument(
-        "--kv-cache-memory", type=_bytes, default=None, metavar="BYTES", help="KV pool budget (e.g. 256MiB)"
-    )
-    kv.add_argument("--num-kv-blocks", type=int, default=None, metavar="N")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_args(ap)
     return ap
 
 
@@ -84,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     if model is None:
-        from backend.model_path import default_model_path
-
         model = default_model_path()
     try:
         runner = ModelRunner(

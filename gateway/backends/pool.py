@@ -6,12 +6,16 @@ state belongs to its ``BackendSupervisor`` (gateway/backends/supervisor.py), rea
 
 from __future__ import annotations
 
+import logging
+
 import trio
 
-from backend.protocol import ModelCard
+from backend.protocol import ModelCard, Stats
 from gateway.backends.client import BackendClient
 from gateway.backends.request import BackendUnavailable
 from gateway.backends.supervisor import BackendSupervisor
+
+log = logging.getLogger("gateway.backends")
 
 
 class BackendPool:
@@ -70,3 +74,18 @@ class BackendPool:
         async with trio.open_nursery() as nursery:
             for s in self.supervisors:
                 nursery.start_soon(s.stop, grace)
+
+    async def stats(self) -> dict[str, tuple[Stats, int]]:
+        """``{supervisor name: (Stats, restarts)}`` of the live backends (``GET /metrics`` polls it on each
+        scrape; the restart count tells a restarted backend's counters from a reset). A backend whose poll
+        fails is left out, so its last counters stay."""
+        out: dict[str, tuple[Stats, int]] = {}
+        for s in self.supervisors:
+            c = s.client
+            if c is None or not c.alive:
+                continue
+            try:
+                out[s.name] = (await c.get_stats(), s.restarts)
+            except BackendUnavailable:
+                log.debug("stats poll of %s failed", s.name, exc_info=True)
+        return out

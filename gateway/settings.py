@@ -1,0 +1,367 @@
+"""``Settings``: every knob of ``python -m gateway serve`` in one typed object, and where each value comes from.
+
+Sources, lowest to highest precedence (a later one wins, per option):
+
+1. the defaults below;
+2. a TOML file (``--config PATH``, or ``LLM_GATEWAY_CONFIG``; read with ``tomllib``) with the tables
+   ``[http]``, ``[backend]``, ``[engine]``, ``[tenancy]``, ``[observability]``; keys are the option names
+   with ``_`` (``max_body_bytes = 1048576``); ``[engine]`` holds ``python -m backend`` options
+   (``device = "cuda"``, ``num_kv_blocks = 64``, ``no_prefix_caching = true``);
+3. environment variables ``LLM_GATEWAY_<NAME>`` (``LLM_GATEWAY_PORT=8080``, ``LLM_GATEWAY_DEVICE=cuda``):
+   lists comma-separated, booleans ``1``/``0``/``true``/``false``/``yes``/``no``, an empty value clears an
+   optional one. Deprecated aliases, read when the new name is unset: ``GATEWAY_ADMIN_KEY``,
+   ``GATEWAY_CORS_ORIGINS``, ``GATEWAY_METRICS_TENANT_LABEL``, ``GATEWAY_LOG_CONTENT``, ``GATEWAY_ACCESS_LOG``;
+4. command-line flags (``--max-body-bytes``; list options repeat the flag; booleans have ``--no-...``).
+
+``python -m gateway serve --help`` lists every option (engine options are generated from the backend's own
+parser, ``backend.__main__.add_engine_args``). An unknown flag, TOML key or table, or a value of the wrong
+type or range from any source is an error at startup: ``SettingsError`` (the CLI prints it, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tomllib
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+import msgspec.inspect as mi
+
+from backend.__main__ import add_engine_args
+from gateway.backends.address import parse_backend_url
+
+ENV_PREFIX = "LLM_GATEWAY_"
+DEPRECATED_ENV = {
+    "admin_key": "GATEWAY_ADMIN_KEY",
+    "cors_origins": "GATEWAY_CORS_ORIGINS",
+    "metrics_tenant_label": "GATEWAY_METRICS_TENANT_LABEL",
+    "log_content": "GATEWAY_LOG_CONTENT",
+    "access_log": "GATEWAY_ACCESS_LOG",
+}
+SOURCES = (
+    "Each option comes from, lowest to highest precedence: its default, the TOML file (--config PATH or "
+    f"{ENV_PREFIX}CONFIG; tables [http], [backend], [engine], [tenancy], [observability]), the environment "
+    f"variable {ENV_PREFIX}<NAME>, the flag."
+)
+_TRUTHY = {"yes": "true", "on": "true", "no": "false", "off": "false"}
+
+
+def _opt(description: str, **constraints: float) -> msgspec.Meta:
+    return msgspec.Meta(description=description, **constraints)
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of the option tables (an unknown key is an error)."""
+
+
+class HTTPSettings(Section):
+    """``[http]``: the listener and the HTTP-side limits."""
+
+    host: Annotated[str, _opt("address to listen on")] = "127.0.0.1"
+    port: Annotated[int, _opt("port to listen on", ge=0, le=65535)] = 8000
+    max_body_bytes: Annotated[int, _opt("largest request body in bytes (413 beyond)", ge=1)] = 4 * 1024 * 1024
+    sse_heartbeat: Annotated[float, _opt("seconds between ': ping' comments while waiting", gt=0)] = 5.0
+    drain_timeout: Annotated[float, _opt("seconds in-flight requests get on shutdown", ge=0)] = 30.0
+    thread_tokenize_chars: Annotated[
+        int, _opt("prompts longer than this (characters) are tokenized in a worker thread; 0: never", ge=0)
+    ] = 8192
+    served_model_name: Annotated[list[str], _opt("extra accepted model name")] = []
+    cors_origins: Annotated[list[str], _opt("origins allowed by CORS ('*': any)")] = msgspec.field(
+        default_factory=lambda: ["*"]
+    )
+
+
+class BackendSettings(Section):
+    """``[backend]``: which backends serve, and how the gateway talks to them."""
+
+    model: Annotated[str | None, _opt("model path (GGUF file or HF dir); default: the default model")] = None
+    tokenizer: Annotated[str | None, _opt("tokenizer/template source (default: the model)")] = None
+    backend_url: Annotated[
+        list[str], _opt("unix:PATH or tcp://HOST:PORT of a running backend; none is spawned then")
+    ] = []
+    backends: Annotated[int, _opt("backend processes to spawn (without --backend-url)", ge=1)] = 1
+    backend_wait: Annotated[float, _opt("seconds a request waits for a restarting backend", ge=0)] = 30.0
+    backend_startup_timeout: Annotated[float, _opt("seconds a spawned backend gets to be ready", gt=0)] = (
+        600.0
+    )
+    request_buffer: Annotated[
+        int, _opt("backend outputs buffered per request before a slow client is aborted", ge=1)
+    ] = 4096
+
+    def __post_init__(self) -> None:
+        for url in self.backend_url:
+            parse_backend_url(url)  # ValueError: a clear message naming the URL
+
+
+class TenancySettings(Section):
+    """``[tenancy]``: API keys, tenants and shared rate limits."""
+
+    db: Annotated[str, _opt("tenancy database path (SQLite)")] = "./data/gateway.db"
+    redis_url: Annotated[str | None, _opt("Redis URL for rate limits shared by several gateways")] = None
+    admin_key: Annotated[str | None, _opt("admin bearer key (admin API off without one)")] = None
+
+
+class ObservabilitySettings(Section):
+    """``[observability]``: logs and metrics (docs/observability.md)."""
+
+    log_level: Annotated[str, _opt("DEBUG, INFO, WARNING or ERROR")] = "INFO"
+    access_log: Annotated[str, _opt("JSON access-log lines: '-' (stderr), a file path, or 'off'")] = "-"
+    log_content: Annotated[bool, _opt("DEBUG ONLY: prompt and output text in access-log lines")] = False
+    metrics_tenant_label: Annotated[
+        bool, _opt("tenant label on /metrics request counters (for a bounded set of tenants)")
+    ] = False
+
+    def __post_init__(self) -> None:
+        self.log_level = self.log_level.upper()
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every option of the gateway. ``engine`` maps ``python -m backend`` option names (``num_kv_blocks``) to
+    their command-line text, or True for a flag; only the options set are there (the backend's defaults
+    apply to the rest)."""
+
+    http: HTTPSettings = msgspec.field(default_factory=HTTPSettings)
+    backend: BackendSettings = msgspec.field(default_factory=BackendSettings)
+    engine: dict[str, str | bool] = {}
+    tenancy: TenancySettings = msgspec.field(default_factory=TenancySettings)
+    observability: ObservabilitySettings = msgspec.field(default_factory=ObservabilitySettings)
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "http": HTTPSettings,
+    "backend": BackendSettings,
+    "tenancy": TenancySettings,
+    "observability": ObservabilitySettings,
+}
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used: unknown name, wrong type or range, unreadable file. The message names
+    the source (file, environment variable or flag) and the option."""
+
+
+# ----------------------------------------------------------------------------- option tables
+
+
+def _kind(annotation: object) -> str:
+    """'bool', 'list', 'optional' or 'scalar' for a field annotation."""
+    t = mi.type_info(annotation)
+    t = t.type if isinstance(t, mi.Metadata) else t
+    if isinstance(t, mi.BoolType):
+        return "bool"
+    if isinstance(t, mi.ListType):
+        return "list"
+    if isinstance(t, mi.UnionType) and any(isinstance(x, mi.NoneType) for x in t.types):
+        return "optional"
+    return "scalar"
+
+
+def _fields(section: type[Section]) -> list[msgspec.structs.FieldInfo]:
+    return list(msgspec.structs.fields(section))
+
+
+def engine_actions() -> dict[str, argparse.Action]:
+    """The backend's engine options by name (``num_kv_blocks``), from ``backend.__main__.add_engine_args``."""
+    return {a.dest: a for a in add_engine_args(argparse.ArgumentParser(add_help=False))}
+
+
+def engine_argv(engine: Mapping[str, str | bool]) -> list[str]:
+    """``python -m backend`` arguments for ``Settings.engine`` (``["--num-kv-blocks=64", "--no-prefix-caching"]``)."""
+    actions = engine_actions()
+    argv = []
+    for name, value in engine.items():
+        flag = actions[name].option_strings[-1]
+        if value is True:
+            argv.append(flag)
+        elif value is not False:
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+def _check_engine(engine: Mapping[str, str | bool], source: str) -> None:
+    """Parse ``engine`` with the backend's own parser. Raises ``SettingsError`` naming ``source``."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--listen")
+    add_engine_args(parser)
+    try:
+        parser.parse_args(engine_argv(engine))
+    except argparse.ArgumentError as exc:
+        raise SettingsError(f"{source}: {exc}") from None
+
+
+def _engine_token(name: str, value: object, source: str) -> str | bool:
+    """One engine value from TOML or the environment as command-line text (True/False for a flag), checked
+    by the backend's parser. Raises ``SettingsError`` naming ``source``."""
+    action = engine_actions()[name]
+    if action.nargs == 0:  # store_true
+        if isinstance(value, str):
+            value = _convert(_TRUTHY.get(value.strip().lower(), value), bool, source, strict=False)
+        if not isinstance(value, bool):
+            raise SettingsError(f"{source}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise SettingsError(f"{source}: expected a string or a number, got {value!r}")
+    _check_engine({name: str(value)}, source)
+    return str(value)
+
+
+def _convert(value: object, annotation: Any, source: str, *, strict: bool) -> Any:
+    try:
+        return msgspec.convert(value, annotation, strict=strict)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise SettingsError(f"{source}: {exc}") from None
+
+
+def _field_value(section: type[Section], name: str, value: object, source: str) -> object:
+    """``value`` (a flag's or an environment variable's text, or a TOML value) as field ``name`` of
+    ``section``, checked with the section's own rules. Raises ``SettingsError`` naming ``source``."""
+    checked = _convert({name: value}, section, source, strict=not isinstance(value, str | list))
+    return getattr(checked, name)
+
+
+def _from_text(text: str, section: type[Section], field: msgspec.structs.FieldInfo, source: str) -> object:
+    """An environment value for ``field``: comma-separated list, lax boolean, empty -> None when optional."""
+    kind = _kind(field.type)
+    if kind == "list":
+        value: object = [part.strip() for part in text.split(",") if part.strip()]
+    elif kind == "bool":
+        value = _TRUTHY.get(text.strip().lower(), text.strip())
+    elif kind == "optional" and text == "":
+        return None
+    else:
+        value = text
+    return _field_value(section, field.name, value, source)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every option of ``Settings`` to ``parser`` (the ``serve`` command), grouped by table. Flags
+    given land in the namespace as ``"<table>.<name>"`` (engine options under their own names); absent
+    ones are left out, so a lower source shows through."""
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="PATH", help="TOML settings file")
+    for table, section in SECTIONS.items():
+        group = parser.add_argument_group(
+            f"[{table}] {(section.__doc__ or '').partition(': ')[2].rstrip('.')}"
+        )
+        defaults = section()
+        for f in _fields(section):
+            desc = mi.type_info(f.type).extra_json_schema["description"]
+            default = getattr(defaults, f.name)
+            shown = ", ".join(default) if isinstance(default, list) else default
+            env = f"env {ENV_PREFIX}{f.name.upper()}"
+            help_text = f"{desc} ({env})" if shown in (None, "") else f"{desc} (default {shown}; {env})"
+            help_text = help_text.replace("%", "%%")
+            flag = "--" + f.name.replace("_", "-")
+            kind = _kind(f.type)
+            common = {"dest": f"{table}.{f.name}", "default": argparse.SUPPRESS, "help": help_text}
+            if kind == "bool":
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+            elif kind == "list":
+                common["help"] = common["help"][:-1] + ", comma-separated; the flag repeats)"
+                group.add_argument(flag, action="append", metavar=f.name.upper(), **common)
+            else:
+                group.add_argument(flag, metavar=f.name.upper(), **common)
+    engine = parser.add_argument_group(
+        "[engine] python -m backend's options, passed to each spawned backend (ignored with --backend-url)"
+    )
+    for action in add_engine_args(engine):
+        action.default = argparse.SUPPRESS
+        action.help = f"{action.help or ''} (env {ENV_PREFIX}{action.dest.upper()})".replace("%", "%%")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m gateway`` with its one command, ``serve`` (exit 2 with a message on unknown flags)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway", description="OpenAI-compatible LLM gateway", allow_abbrev=False
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="serve the HTTP API", description=SOURCES, allow_abbrev=False)
+    add_arguments(serve)
+    return parser
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: invalid TOML: {exc}") from None
+    for table, values in data.items():
+        if table not in (*SECTIONS, "engine") or not isinstance(values, dict):
+            raise SettingsError(
+                f"{path}: unknown table [{table}] (tables: {', '.join([*SECTIONS, 'engine'])})"
+            )
+    _convert({k: v for k, v in data.items() if k != "engine"}, Settings, path, strict=True)
+    return data
+
+
+def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[Settings, list[str]]:
+    """Parse ``argv`` (``["serve", ...]``), read the TOML file and ``environ``; returns the settings and
+    notices to log (deprecated names used, options ignored).
+
+    Raises:
+        SystemExit: (2, argparse) an unknown flag, a missing command, or a flag value of the wrong form.
+        SettingsError: a bad TOML file, environment value or flag value (message names the source).
+    """
+    ns = vars(build_parser().parse_args(argv))
+    notices: list[str] = []
+    merged: dict[str, dict[str, object]] = {table: {} for table in SECTIONS}
+    engine: dict[str, str | bool] = {}
+    path = ns.get("config") or environ.get(ENV_PREFIX + "CONFIG")
+    if path:
+        data = _read_toml(path)
+        for table in SECTIONS:
+            merged[table].update(data.get(table, {}))
+        for name, value in data.get("engine", {}).items():
+            if name not in engine_actions():
+                raise SettingsError(f"{path}: unknown key {name!r} in [engine]")
+            engine[name] = _engine_token(name, value, f"{path}: [engine] {name}")
+    for table, section in SECTIONS.items():
+        for f in _fields(section):
+            var = ENV_PREFIX + f.name.upper()
+            old = DEPRECATED_ENV.get(f.name)
+            if var not in environ and old is not None and old in environ:
+                notices.append(f"environment variable {old} is deprecated: use {var}")
+                var = old
+            if var in environ:
+                merged[table][f.name] = _from_text(environ[var], section, f, f"environment variable {var}")
+    for name in engine_actions():
+        var = ENV_PREFIX + name.upper()
+        if var in environ:
+            engine[name] = _engine_token(name, environ[var], f"environment variable {var}")
+    for key, value in ns.items():
+        table, dot, name = key.partition(".")
+        if dot:
+            flag = "argument --" + name.replace("_", "-")
+            merged[table][name] = _field_value(SECTIONS[table], name, value, flag)
+        elif key in engine_actions():
+            engine[key] = value if isinstance(value, bool) else str(value)
+    engine = {k: v for k, v in engine.items() if v is not False}
+    _check_engine(engine, "engine options")  # together: e.g. --kv-cache-memory with --num-kv-blocks
+    settings = _convert({**merged, "engine": engine}, Settings, "settings", strict=False)
+    if settings.backend.backend_url and settings.engine:
+        notices.append(
+            "engine options apply to spawned backends only; ignored with --backend-url: "
+            + " ".join(engine_argv(settings.engine))
+        )
+        settings.engine = {}
+    return settings, notices
+
+
+def configure_logging(settings: Settings) -> None:
+    """Root logging to stderr at ``observability.log_level``."""
+    logging.basicConfig(
+        level=getattr(logging, settings.observability.log_level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
