@@ -15,7 +15,8 @@ from .credentials import Headers, bearer_token, reject_query_key
 from .errors import Forbidden, Unauthenticated
 from .keys import digest_equal, hash_key
 from .principal import Principal
-from .store import AsyncStore, KeyRecord, Store, TenantRecord
+from .records import KeyRecord, TenantRecord
+from .store import AsyncStore, Store
 
 CHALLENGE = {"www-authenticate": "Bearer"}
 NO_KEY_MESSAGE = (

@@ -4,8 +4,8 @@
   share the file). Every call runs in a worker thread via ``trio.to_thread.run_sync`` behind a
   ``CapacityLimiter(1)``, so the Trio loop never blocks on disk and the connection is used by one thread at
   a time (``check_same_thread=False``).
-* Schema is migratable: table ``schema_version`` + the ordered list :data:`MIGRATIONS`; opening a database
-  applies the missing ones in one transaction each.
+* Schema is migratable: table ``schema_version`` + the ordered list ``auth.schema.MIGRATIONS``; opening a
+  database applies the missing ones in one transaction each. Rows come back as ``auth.records`` records.
 
 Times are UNIX seconds (float, UTC); days are ``YYYY-MM-DD`` in UTC.
 """
@@ -17,8 +17,6 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import trio
@@ -26,107 +24,10 @@ import trio
 from ratelimit.core import Limits
 
 from .keys import generate_key, new_id
+from .records import KeyRecord, TenantRecord
+from .schema import MIGRATIONS
 
 T = TypeVar("T")
-
-MIGRATIONS: list[str] = [
-    # 1: initial schema
-    """
-    CREATE TABLE tenants (
-        id TEXT PRIMARY KEY,
-        name TEXT NOT NULL UNIQUE,
-        disabled INTEGER NOT NULL DEFAULT 0,
-        created_at REAL NOT NULL,
-        deleted_at REAL,
-        limits TEXT NOT NULL DEFAULT '{}',
-        filters TEXT NOT NULL DEFAULT '{}'
-    );
-    CREATE TABLE api_keys (
-        id TEXT PRIMARY KEY,
-        tenant_id TEXT NOT NULL REFERENCES tenants(id),
-        name TEXT,
-        prefix TEXT NOT NULL,
-        hash TEXT NOT NULL UNIQUE,
-        created_at REAL NOT NULL,
-        expires_at REAL,
-        revoked_at REAL,
-        limits TEXT
-    );
-    CREATE INDEX api_keys_tenant ON api_keys(tenant_id);
-    CREATE TABLE usage (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        ts REAL NOT NULL,
-        day TEXT NOT NULL,
-        tenant_id TEXT NOT NULL,
-        key_id TEXT,
-        key_prefix TEXT,
-        request_id TEXT,
-        model TEXT,
-        prompt_tokens INTEGER NOT NULL DEFAULT 0,
-        cached_tokens INTEGER NOT NULL DEFAULT 0,
-        completion_tokens INTEGER NOT NULL DEFAULT 0,
-        total_tokens INTEGER NOT NULL DEFAULT 0,
-        status INTEGER,
-        finish_reason TEXT,
-        timings TEXT
-    );
-    CREATE INDEX usage_tenant_ts ON usage(tenant_id, ts);
-    CREATE INDEX usage_tenant_day ON usage(tenant_id, day);
-    CREATE INDEX usage_key_day ON usage(key_id, day);
-    """,
-]
-
-
-def utc_day(ts: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if ts is None else ts, UTC).strftime("%Y-%m-%d")
-
-
-@dataclass
-class TenantRecord:
-    id: str
-    name: str
-    disabled: bool
-    created_at: float
-    limits: Limits
-    filters: Any
-    deleted_at: float | None = None
-
-    def public(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "tenant",
-            "name": self.name,
-            "disabled": self.disabled,
-            "created_at": self.created_at,
-            "limits": self.limits.to_dict(),
-            "filters": self.filters,
-        }
-
-
-@dataclass
-class KeyRecord:
-    id: str
-    tenant_id: str
-    name: str | None
-    prefix: str
-    created_at: float
-    expires_at: float | None
-    revoked_at: float | None
-    limits: Limits | None = None
-    hash: str = field(default="", repr=False)
-
-    def public(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "api_key",
-            "tenant_id": self.tenant_id,
-            "name": self.name,
-            "prefix": self.prefix,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "revoked_at": self.revoked_at,
-            "limits": self.limits.to_dict() if self.limits else None,
-        }
 
 
 class Store:

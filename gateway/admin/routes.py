@@ -27,7 +27,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from auth.store import KeyRecord, Store, TenantRecord
+from auth.records import KeyRecord, TenantRecord
+from auth.store import Store
 from gateway.admin.body import read_json, read_struct
 from gateway.admin.schemas import (
     ApiKey,

@@ -13,7 +13,8 @@ from auth.authenticator import Authenticator
 from auth.credentials import bearer_token, query_has_key, redact_query
 from auth.errors import Forbidden, Unauthenticated
 from auth.keys import KEY_PREFIX, generate_key, hash_key
-from auth.store import MIGRATIONS, AsyncStore, Store
+from auth.schema import MIGRATIONS
+from auth.store import AsyncStore, Store
 from ratelimit.core import Limits
 
 ADMIN = "admin-secret"
