@@ -38,6 +38,7 @@ from .resp import RedisError
 log = logging.getLogger("ratelimit.admission")
 
 DAY_S = 86400.0  # a POSIX day
+RELEASE_TIMEOUT_S = 5.0  # seconds a shared true-up may take (shielded) before it is logged and dropped
 
 
 class UsageBook(Protocol):
@@ -210,7 +211,8 @@ class Admission:
 
     async def close(self, res: Reservation, exc: BaseException | None = None) -> dict[str, str]:
         """True up ``res`` (unused tokens back, slot freed; rpm is not refunded) and queue its ledger row.
-        Idempotent. In-process it runs with no checkpoint; with Redis cancel-shielded, at most 5 s.
+        Idempotent. In-process it runs with no checkpoint; with Redis cancel-shielded, at most
+        ``RELEASE_TIMEOUT_S``.
         Returns the ``x-ratelimit-*`` headers after the true-up."""
         if res.closed:
             return res.final_headers
@@ -219,12 +221,10 @@ class Admission:
         refunds = {d.key: res.refund for d in res.dims if d.name in ("tokens", "daily_tokens")}
         results: list[DimResult] = []
         try:
-            if not res.dims:
-                pass
-            elif isinstance(self.limiter, LocalLimiter):
-                results = self.limiter.release_now(res.dims, res.member, refunds)
-            else:
-                with trio.CancelScope(shield=True), trio.fail_after(5):
+            if isinstance(self.limiter, LocalLimiter):
+                results = self.limiter.release_now(res.dims, res.member, refunds) if res.dims else []
+            elif res.dims:
+                with trio.CancelScope(shield=True), trio.fail_after(RELEASE_TIMEOUT_S):
                     results = await self.limiter.release(res.dims, res.member, refunds)
         except Exception:
             log.exception("admission: true-up failed for tenant %s", res.subject.tenant_id)
