@@ -628,8 +628,8 @@ def instrument(
         pass
     routes = [Route("/metrics", m.endpoint, methods=["GET"])]
     if ollama:
-        from gateway.app import chat_completions
         from gateway.ollama_api import OllamaAPI
+        from gateway.openai.routes import chat_completions
 
         routes += OllamaAPI(
             chat_completions,

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin import schemas as admin
-from gateway.schemas import ChatChunk, ChatCompletion, ChatRequest, Completion, CompletionRequest
+from gateway.openai.schemas import ChatChunk, ChatCompletion, ChatRequest, Completion, CompletionRequest
 from ratelimit.core import RATE_LIMIT_HEADERS
 
 Caller = Literal["public", "tenant", "admin"]

@@ -39,6 +39,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from gateway.generation.events import ChoiceFinished, Ended, Event, TextDelta
+from gateway.generation.request import GenerationRequest
+
 if TYPE_CHECKING:  # pragma: no cover
     from backend.protocol import Timings, Usage
     from gateway.metrics import GatewayMetrics
@@ -54,6 +57,13 @@ _CUT_MARK = b'_reason":"content_filter"'
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@\-]{1,128}$")
 
 access_logger = logging.getLogger(ACCESS_LOGGER_NAME)
+# RequestRecord attribute (seconds) <- timings key (ns) of the backend phases
+_PHASES = (
+    ("queue_s", "queue_duration"),
+    ("prefill_s", "prompt_eval_duration"),
+    ("decode_s", "eval_duration"),
+    ("backend_ttft_s", "backend_ttft_duration"),
+)
 
 
 def new_request_id() -> str:
@@ -215,6 +225,29 @@ class RequestRecord:
             self.backend_ttft_s = max(self.backend_ttft_s or 0.0, timings.ttft)
             self.preemptions = max(self.preemptions, timings.preemptions)
 
+    def on_timings(self, timings: dict[str, int]) -> None:
+        """Backend phases of a finished choice or request (``timings`` in ns, Ollama names); each keeps
+        its maximum over choices."""
+        for attr, key in _PHASES:
+            ns = timings.get(key)
+            if ns is not None:
+                setattr(self, attr, max(getattr(self, attr) or 0.0, ns / 1e9))
+
+    def on_ended(self, ended: Ended) -> None:
+        """The generation run ended (``gateway.generation.events.Ended``): what it consumed and why it
+        ended, decided by the run."""
+        if ended.submitted:
+            if self.t_submit is None:
+                self.t_submit = time.perf_counter()
+            self.prompt_tokens = ended.prompt_tokens
+            self.completion_tokens = ended.completion_tokens
+            self.cached_tokens = ended.cached_tokens
+            self.finish_reason = ended.reason
+            self.preemptions = max(self.preemptions, ended.preemptions)
+            self.on_timings(ended.timings)
+        if ended.error_type is not None or ended.error_code is not None:
+            self.set_error(ended.error_type, ended.error_code)
+
     def set_error(self, error_type: str | None, error_code: str | None) -> None:
         """Record the error type/code sent (the message is never logged)."""
         self.error_type = error_type
@@ -268,6 +301,29 @@ class RequestRecord:
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
+
+
+class RecordObserver:
+    """An ``EventSink`` feeding one generation run's events into its ``RequestRecord``: the request's
+    labels at construction, TTFT/ITL per ``TextDelta`` carrying tokens, the outcome from ``Ended``."""
+
+    def __init__(self, record: RequestRecord, req: GenerationRequest) -> None:
+        self.record = record
+        record.api = record.api or req.api  # a translating route may have labelled it already
+        record.model, record.stream = req.model, req.stream
+        record.tenant = req.tenant_id or None
+        record.set_prompt(req.prompt_log)  # kept only with --log-content
+
+    async def emit(self, event: Event) -> None:
+        try:
+            if isinstance(event, TextDelta):
+                self.record.on_tokens(event.tokens, text=event.text or None)
+            elif isinstance(event, ChoiceFinished):
+                self.record.on_timings(event.timings)
+            elif isinstance(event, Ended):
+                self.record.on_ended(event)
+        except Exception:  # noqa: BLE001 - observability must never break a request
+            logging.getLogger("gateway.observability").exception("request record update failed")
 
 
 def get_record(request_or_scope: Any) -> RequestRecord:

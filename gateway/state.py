@@ -82,6 +82,10 @@ class Gateway:
             self._token_str[tid] = s
         return s
 
+    def token_bytes(self, tid: int) -> list[int]:
+        """The raw bytes of one token, as a list of ints (OpenAI logprobs ``bytes``)."""
+        return list(self.tokenizer.id_to_bytes[tid])
+
     @property
     def card(self) -> ModelCard:
         """The backends' model card. Raises ``ServiceUnavailable`` (503) while no backend is ready."""

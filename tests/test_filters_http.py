@@ -43,7 +43,7 @@ def cors_wired(gp) -> bool:
 
 
 def output_filter_wired() -> bool:
-    src = (ROOT / "gateway" / "generation.py").read_text() + (ROOT / "gateway" / "app.py").read_text()
+    src = (ROOT / "gateway" / "generation" / "run.py").read_text()
     return "output_filter" in src
 
 

@@ -22,10 +22,11 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from backend.protocol import ModelCard
-from gateway.app import _api_error, list_models, retrieve_model
+from gateway.app import _api_error
 from gateway.errors import APIError
 from gateway.middleware.auth import classify_path
 from gateway.middleware.drain import DrainGate
+from gateway.openai.models import list_models, retrieve_model
 from gateway.state import Gateway, GatewayConfig
 
 

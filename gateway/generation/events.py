@@ -3,13 +3,17 @@
 A run (``gateway.generation.run``) turns one ``GenerationRequest`` into this
 sequence, pushed in order into an ``EventSink``::
 
-    Started                      exactly once, before anything else: the request was admitted and the
+    Started                      at most once, before any text: the request was admitted and the
                                  backend answered (or the heartbeat interval passed); carries the
                                  rate-limit headers. Errors raised before it are plain HTTP errors.
     (TextDelta | Heartbeat | ChoiceFinished)*
                                  per choice: text (with logprobs when asked), then one ChoiceFinished.
                                  Heartbeat: nothing arrived for ``heartbeat_s`` (SSE sends a comment).
-    Completed                    exactly once, last, on success: usage and timings of the whole request.
+    Completed                    exactly once on success, after every ChoiceFinished: usage and timings of
+                                 the whole request.
+    Ended                        exactly once, always last, on every exit (success, error, client gone):
+                                 what the request consumed, for bookkeeping (metrics, access log). It may
+                                 come after the client left: renderers ignore it.
 
 An ``APIError`` raised by the run after ``Started`` is reported by the renderer in its own framing (an SSE
 error event, an NDJSON error line); before ``Started`` it is the HTTP status of the answer.
@@ -35,9 +39,12 @@ FinishReason = Literal["stop", "length", "content_filter"]
 
 
 class Started(msgspec.Struct, tag="started", frozen=True, kw_only=True):
-    """The answer may start: ``headers`` go on the HTTP response (x-ratelimit-*)."""
+    """The answer may start: ``headers`` go on the HTTP response (x-ratelimit-*). ``waiting``: the heartbeat
+    interval passed before the backend's first output (nothing follows at once; a stream may send its
+    opening bytes now)."""
 
     headers: dict[str, str] = {}
+    waiting: bool = False
 
 
 class TextDelta(msgspec.Struct, tag="text", frozen=True, kw_only=True):
@@ -75,7 +82,29 @@ class Completed(msgspec.Struct, tag="completed", frozen=True, kw_only=True):
     timings: dict[str, int] = {}
 
 
-Event = Started | TextDelta | Heartbeat | ChoiceFinished | Completed
+class Ended(msgspec.Struct, tag="ended", frozen=True, kw_only=True):
+    """The run is over, however it ended. ``status``: 200 (success), 499 (the client went away) or the
+    HTTP status of the ``APIError`` that ended it (``error_type``/``error_code``: that error's).
+    ``reason``: the request's finish reason: "content_filter" when an output filter cut any choice, else
+    the reason of the last choice to finish; "abort" (client gone) or "error" when no choice finished.
+    ``submitted``: the request reached a backend; ``prompt_tokens`` is None before that.
+    ``completion_tokens``: generated tokens of all choices so far (the count billed);
+    ``cached_tokens``: None when no backend usage arrived. ``timings``: as ``Completed.timings`` (ns);
+    ``preemptions``: times the backend preempted the request (max over choices)."""
+
+    status: int
+    reason: str
+    submitted: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+    timings: dict[str, int] = {}
+    preemptions: int = 0
+    error_type: str | None = None
+    error_code: str | None = None
+
+
+Event = Started | TextDelta | Heartbeat | ChoiceFinished | Completed | Ended
 
 
 class EventSink(Protocol):

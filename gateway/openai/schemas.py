@@ -44,12 +44,6 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-
-
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -233,15 +227,6 @@ def validate_common(req: SamplingFields, *, vocab_size: int) -> None:
                     param="stop_token_ids",
                     code="invalid_value",
                 )
-
-
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    """``stop`` as a list (a bare string is one stop sequence)."""
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    return list(stop)
 
 
 def seed_to_backend(seed: int | None) -> int | None:

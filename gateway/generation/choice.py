@@ -1,0 +1,111 @@
+"""The text pipeline of one choice: backend tokens -> UTF-8 text -> stop strings -> output filter.
+
+``Choice.feed(out)`` takes one backend ``RequestOutput`` of its choice and returns the text now safe to
+send and, once, the finish reason. Per output the work is O(new tokens): the detokenizer and the stop
+matcher are incremental (docs/text.md), and text that may start a stop string is held back.
+
+finish_reason rules: a stop string seen in the text is "stop" even when the backend reported "length" for
+the same step; backend "stop" (EOS or a stop token id) is "stop"; "length" is "length"; an output filter
+that cuts the text makes it "content_filter" (Azure OpenAI semantics, docs/filters.md). Backend "abort" and
+"error" are not finish reasons: they raise.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from backend.protocol import RequestOutput, Timings, Usage
+from gateway.backends.request import BackendUnavailable
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import InternalError
+from gateway.generation.events import FinishReason
+from gateway.stops import StopMatcher
+
+
+class OutputFilter(Protocol):
+    """A per-choice output filter (``gateway.filters.OutputFilter``): ``step`` returns the text safe to
+    send; ``cut`` is True once a hook cut the output (``result``: why, Azure's content_filter_results)."""
+
+    cut: bool
+    result: dict | None
+
+    async def step(self, text: str, final: bool) -> str: ...
+
+
+class Choice:
+    """Text pipeline and counters of choice ``index``.
+
+    Attributes:
+        tokens: tokens received for this choice (until it finished).
+        finish: the finish reason, set once; afterwards the choice ignores further outputs.
+        usage, timings: the backend's, from its last output (None until then).
+    """
+
+    __slots__ = ("index", "detok", "stops", "filter", "tokens", "finish", "usage", "timings")
+
+    def __init__(
+        self,
+        index: int,
+        detok: IncrementalDetokenizer,
+        stops: StopMatcher,
+        output_filter: OutputFilter | None,
+    ) -> None:
+        self.index = index
+        self.detok = detok
+        self.stops = stops
+        self.filter = output_filter
+        self.tokens = 0
+        self.finish: FinishReason | None = None
+        self.usage: Usage | None = None
+        self.timings: Timings | None = None
+
+    @property
+    def cut(self) -> bool:
+        """An output filter cut this choice."""
+        return self.filter is not None and self.filter.cut
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens billed for this choice: the backend's count when it finished the choice itself (it may
+        count a token the gateway never saw), else the tokens received."""
+        if self.usage is not None and self.stops.matched_stop is None:
+            return max(self.usage.completion_tokens, self.tokens)
+        return self.tokens
+
+    async def feed(self, out: RequestOutput) -> tuple[str, FinishReason | None]:
+        """Feed one output of this choice: ``(text safe to send, finish reason or None)``.
+
+        Raises:
+            BackendUnavailable: 503, the backend aborted the choice.
+            InternalError: 500 ``backend_error``, the backend failed while generating.
+            Whatever the output filter's hooks raise.
+        """
+        text = ""
+        fin: FinishReason | None = None
+        ids = out.new_token_ids
+        if ids:
+            self.tokens += len(ids)
+            text, matched = self.stops.feed(self.detok.feed_many(ids))
+            if matched:
+                fin = "stop"
+        if fin is None and out.finish_reason is not None:
+            if out.finish_reason == "abort":
+                raise BackendUnavailable("The request was aborted by the inference backend.")
+            if out.finish_reason == "error":
+                raise InternalError("The inference backend failed while generating.", code="backend_error")
+            tail, matched = self.stops.feed(self.detok.flush())
+            text += tail
+            if not matched:
+                text += self.stops.flush()
+            fin = "stop" if matched or out.finish_reason == "stop" else "length"
+        if out.usage is not None:
+            self.usage = out.usage
+        if out.timings is not None:
+            self.timings = out.timings
+        if self.filter is not None:
+            text = await self.filter.step(text, fin is not None)
+            if self.filter.cut:
+                fin = "content_filter"
+        if fin is not None:
+            self.finish = fin
+        return text, fin

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request and response shapes, request preparation, renderers, routes."""

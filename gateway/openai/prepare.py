@@ -1,0 +1,306 @@
+"""A decoded OpenAI request -> ``GenerationRequest``, parsed once (validation, prompt hooks, template and
+tokenizer, max_tokens against the context, sampling parameters).
+
+``prepare_chat`` serves /v1/chat/completions and every API translated into a ``ChatRequest`` (the Ollama
+API); ``prepare_completion`` serves /v1/completions (a raw prompt, no chat template).
+
+Order of checks (each failure is an ``APIError`` raised before anything is sent): model (404) -> ranges
+(400, ``param`` named) -> prompt hooks (400 ``content_filter``) -> template + tokenize (400) -> context
+length (400 ``context_length_exceeded`` for a prompt that fills it, 400 ``invalid_value`` naming
+max_tokens for a limit that does not fit after the prompt; never clamped, docs/gateway.md).
+
+Sources: OpenAI API reference, "Create chat completion" and "Create completion" (legacy); vLLM's extra
+sampling parameters.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal
+
+from auth.principal import Principal
+from backend.protocol import SamplingParams
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.generation.request import GenerationRequest
+from gateway.openai.schemas import (
+    MAX_COMPLETION_LOGPROBS,
+    MAX_TOP_LOGPROBS,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    seed_to_backend,
+    validate_common,
+)
+from gateway.state import Gateway
+from gateway.stops import normalize_stop
+from templating.errors import TemplateError
+
+Api = Literal["openai", "ollama"]
+
+
+def prompt_chars(messages: list[dict]) -> int:
+    """Rough size of a message list in characters (decides inline vs threaded tokenization)."""
+    n = 0
+    for m in messages:
+        n += 16  # per-message template text (role header, markers): many empty messages are work too
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            for part in c:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    n += len(part["text"])
+    return n
+
+
+def resolve_max_tokens(
+    prompt_len: int,
+    requested: int | None,
+    context_length: int,
+    *,
+    prompt_param: str = "messages",
+    max_param: str = "max_tokens",
+) -> int:
+    """Tokens to generate: ``requested``, or what fits in the context when absent.
+
+    Args:
+        prompt_param: the field holding the prompt ("messages", or "prompt" on /v1/completions).
+        max_param: the field the client set the limit with ("max_tokens" or "max_completion_tokens").
+
+    Raises:
+        ContextLengthExceeded: the prompt alone fills the context (param ``prompt_param``, code
+            ``context_length_exceeded``).
+        InvalidRequest: prompt + requested > context (param ``max_param``, code ``invalid_value``: the
+            prompt fits, the limit is what is too large): never clamped (docs/gateway.md).
+    """
+    if prompt_len >= context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, your prompt has "
+            f"{prompt_len} tokens and leaves no room for a completion. Please shorten the prompt.",
+            param=prompt_param,
+        )
+    if requested is None:
+        return context_length - prompt_len
+    if prompt_len + requested > context_length:
+        raise InvalidRequest(
+            f"'{max_param}' is too large: {requested}. This model's maximum context length is "
+            f"{context_length} tokens and your prompt has {prompt_len} tokens, so '{max_param}' can be at "
+            f"most {context_length - prompt_len}.",
+            param=max_param,
+            code="invalid_value",
+        )
+    return requested
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, *, logprobs: bool, top_logprobs: int
+) -> SamplingParams:
+    """The backend's sampling parameters for a validated request (OpenAI/vLLM defaults for absent fields;
+    ``top_k`` -1 and 0 both disable it; the seed reduced mod 2**63)."""
+    return SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=min(req.min_tokens, max_tokens),
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=0 if req.top_k is None or req.top_k == -1 else int(req.top_k),
+        min_p=0.0 if req.min_p is None else float(req.min_p),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
+        seed=seed_to_backend(req.seed),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _vocab_size(gw: Gateway) -> int:
+    return gw.card.vocab_size or gw.tokenizer.vocab_size
+
+
+def _generation(
+    req: SamplingFields,
+    *,
+    prefix: str,
+    request_id: str | None,
+    api: Api,
+    model: str,
+    ids: list[int],
+    sampling: SamplingParams,
+    stops: list[str],
+    principal: Principal | None,
+    prompt_log: object,
+    t_arrival: float,
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=request_id or prefix + uuid.uuid4().hex,
+        api=api,
+        model=model,
+        prompt_ids=ids,
+        sampling=sampling,
+        stops=stops,
+        include_stop=req.include_stop_str_in_output,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        principal=principal,
+        prompt_log=prompt_log,
+        t_arrival=t_arrival,
+    )
+
+
+async def prepare_chat(
+    gw: Gateway,
+    req: ChatRequest,
+    *,
+    principal: Principal | None,
+    api: Api,
+    t_arrival: float,
+    request_id: str | None = None,
+) -> GenerationRequest:
+    """A chat request, validated, filtered, templated and tokenized (``request_id`` defaults to
+    ``chatcmpl-`` + 32 hex digits).
+
+    Raises:
+        NotFound: 404 unknown model. ServiceUnavailable: 503 no backend ready (no model card).
+        InvalidRequest: 400 naming the parameter (ranges, top_logprobs, template errors, max_tokens).
+        ContextLengthExceeded: 400, the prompt fills the context. ContentFiltered: 400, a prompt hook.
+    """
+    card = gw.card
+    model = gw.check_model(req.model)
+    max_param = "max_tokens"
+    if req.max_completion_tokens is not None:
+        max_param = "max_completion_tokens"
+        if req.max_completion_tokens < 1:
+            raise InvalidRequest(
+                "Invalid value for 'max_completion_tokens': must be >= 1.",
+                param="max_completion_tokens",
+                code="invalid_value",
+            )
+        req.max_tokens = req.max_completion_tokens
+    validate_common(req, vocab_size=_vocab_size(gw))
+    stops = normalize_stop(req.stop)
+    top = req.top_logprobs
+    if top is not None:
+        if top < 0 or top > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"Invalid value for 'top_logprobs': {top} (must be between 0 and {MAX_TOP_LOGPROBS}).",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        if top > 0 and not req.logprobs:
+            raise InvalidRequest(
+                "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs", code="invalid_value"
+            )
+    messages = req.messages
+    if gw.filters is not None:
+        messages = await gw.filters.check_prompt(principal, messages)
+    try:
+        rendered = await gw.tokenize(
+            lambda: gw.template.render(
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+            ),
+            prompt_chars(messages),
+        )
+    except TemplateError as exc:  # the conversation is the client's fault: 400 with the same members
+        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
+    ids = rendered.ids
+    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length, max_param=max_param)
+    return _generation(
+        req,
+        prefix="chatcmpl-",
+        request_id=request_id,
+        api=api,
+        model=model,
+        ids=ids,
+        sampling=sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=top or 0),
+        stops=stops,
+        principal=principal,
+        prompt_log=messages,
+        t_arrival=t_arrival,
+    )
+
+
+async def _completion_prompt(
+    gw: Gateway, req: CompletionRequest, principal: Principal | None
+) -> tuple[list[int], object]:
+    """(prompt token ids, the prompt for the log). Prompt hooks see a text prompt (a string or a
+    one-string array) as one user message."""
+    p = req.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if gw.filters is not None and isinstance(p, str):
+        p = (await gw.filters.check_prompt(principal, [{"role": "user", "content": p}]))[0]["content"]
+    if isinstance(p, str):
+        text = p
+        ids = await gw.tokenize(lambda: gw.tokenizer.encode_plain(text), len(text))
+    elif p and all(isinstance(x, int) for x in p):
+        ids = [int(x) for x in p]
+        vocab = _vocab_size(gw)
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequest(
+                "'prompt' holds a token id outside the vocabulary.", param="prompt", code="invalid_value"
+            )
+    else:
+        raise InvalidRequest(
+            "'prompt' must be one string, a one-string array, or an array of token ids (batches are not "
+            "supported).",
+            param="prompt",
+            code="invalid_value",
+        )
+    if not ids:
+        raise InvalidRequest("'prompt' is empty.", param="prompt", code="invalid_value")
+    return ids, p
+
+
+async def prepare_completion(
+    gw: Gateway,
+    req: CompletionRequest,
+    *,
+    principal: Principal | None,
+    api: Api,
+    t_arrival: float,
+    request_id: str | None = None,
+) -> GenerationRequest:
+    """A legacy completion request, validated, filtered and tokenized (``request_id`` defaults to
+    ``cmpl-`` + 32 hex digits). ``max_tokens`` defaults to 16 (OpenAI).
+
+    Raises:
+        NotFound, ServiceUnavailable, InvalidRequest, ContextLengthExceeded, ContentFiltered: as
+        ``prepare_chat`` (``param`` "prompt" for the prompt).
+    """
+    card = gw.card
+    model = gw.check_model(req.model)
+    validate_common(req, vocab_size=_vocab_size(gw))
+    stops = normalize_stop(req.stop)
+    if req.echo:
+        raise InvalidRequest("'echo' is not supported.", param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise InvalidRequest("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
+    lp = req.logprobs
+    if lp is not None and (lp < 0 or lp > MAX_COMPLETION_LOGPROBS):
+        raise InvalidRequest(
+            f"Invalid value for 'logprobs': {lp} (must be between 0 and {MAX_COMPLETION_LOGPROBS}).",
+            param="logprobs",
+            code="invalid_value",
+        )
+    ids, prompt_log = await _completion_prompt(gw, req, principal)
+    requested = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = resolve_max_tokens(len(ids), requested, card.context_length, prompt_param="prompt")
+    return _generation(
+        req,
+        prefix="cmpl-",
+        request_id=request_id,
+        api=api,
+        model=model,
+        ids=ids,
+        sampling=sampling_params(req, max_tokens, logprobs=lp is not None, top_logprobs=lp or 0),
+        stops=stops,
+        principal=principal,
+        prompt_log=prompt_log,
+        t_arrival=t_arrival,
+    )
