@@ -1,8 +1,8 @@
-"""The Ollama layer (gateway/ollama_api.py) against a stand-in /v1 endpoint, driven by the official ``ollama`` client.
+"""The Ollama API (gateway/ollama/) with a stand-in generation run, driven by the official ``ollama`` client.
 
-The stand-in answers like the gateway's pipeline does (``gateway.streaming.CallResponse``:
-JSON, or SSE chunks ending with a usage chunk and ``[DONE]``) and fills the
-``RequestRecord`` with real ``backend.protocol`` Usage/Timings. The end-to-end
+The real routes, translation, renderers, ``generation_response`` plumbing and observability middleware run;
+only ``prepare_chat`` (recording the ``ChatRequest`` the translation built) and ``run_generation`` (pushing
+the events a real run pushes, or raising its 429) are stand-ins, so no backend is needed. The end-to-end
 test against the real gateway is tests/test_observability_e2e.py.
 """
 
@@ -11,94 +11,94 @@ from __future__ import annotations
 import json
 
 import httpx
+import msgspec
 import ollama
 import pytest
 from starlette.applications import Starlette
-from starlette.requests import Request
 
-from backend.protocol import ModelCard, Timings, Usage
+import gateway.generation.response as response_module
+import gateway.ollama.routes as routes_module
+from backend.protocol import ModelCard, SamplingParams
 from gateway.errors import APIError, AuthenticationError, RateLimited
+from gateway.generation.events import ChoiceFinished, Completed, Ended, Heartbeat, Started, TextDelta
+from gateway.generation.request import GenerationRequest
 from gateway.metrics import GatewayMetrics
-from gateway.ollama_api import OllamaAPI, SSEParser, chat_to_openai, generate_to_openai, options_to_openai
-from gateway.request_log import ObservabilityMiddleware, get_record
-from gateway.streaming import CallResponse
+from gateway.ollama.routes import OllamaAPI
+from gateway.ollama.translate import Options, parse_options, to_chat_request
+from gateway.request_log import ObservabilityMiddleware
+from gateway.settings import HTTPSettings
 
 KEY = "sk-ollama-test"
 WORDS = ["Hello", " there", "!"]
 seen_bodies: list[dict] = []
+CARD = ModelCard(name="smol", context_length=2048, quantization="Q4_1", model_path="/nonexistent/smol.gguf")
+TIMINGS = {"queue_duration": 1_000, "prompt_eval_duration": 2_000, "eval_duration": 3_000}
 
 
-async def fake_chat_endpoint(request: Request):
-    if request.headers.get("authorization") != f"Bearer {KEY}":
-        raise AuthenticationError()
-    body = await request.json()
+class Pool:
+    card = CARD
+
+
+class StandInGateway:
+    """What the Ollama routes read of ``gateway.state.Gateway``."""
+
+    config = HTTPSettings()
+    pool = Pool()
+
+    async def authenticate(self, request):
+        if request.headers.get("authorization") != f"Bearer {KEY}":
+            raise AuthenticationError()
+
+    def model_names(self) -> list[str]:
+        return [CARD.name]
+
+
+async def fake_prepare(gw, req, *, principal, api, t_arrival, request_id=None):
+    body = msgspec.to_builtins(req)
     seen_bodies.append(body)
-    if body["messages"][-1]["content"] == "limit me":
+    return GenerationRequest(
+        request_id="chatcmpl-test",
+        api=api,
+        model=req.model,
+        prompt_ids=[1] * 11,
+        sampling=SamplingParams(max_tokens=req.max_tokens or 16),
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        prompt_log=req.messages,
+        t_arrival=t_arrival,
+    )
+
+
+async def fake_run(gw, req, sink):
+    if seen_bodies[-1]["messages"][-1]["content"] == "limit me":
         raise RateLimited("Too many requests", code="rate_limit_exceeded", headers={"retry-after": "1"})
-    rec = get_record(request)
-    rec.model = body["model"]
-    rec.on_submit(prompt_tokens=11)
-    usage = {
-        "prompt_tokens": 11,
-        "completion_tokens": len(WORDS),
-        "total_tokens": 11 + len(WORDS),
-        "prompt_tokens_details": {"cached_tokens": 3},
-    }
-
-    async def produce(w):
-        for t in WORDS:
-            rec.on_tokens(1, text=t)
-        rec.on_finish(
-            "stop",
-            Usage(prompt_tokens=11, completion_tokens=len(WORDS), cached_tokens=3),
-            Timings(queue=1e-6, prefill=2e-6, decode=3e-6),
+    await sink.emit(Started(headers={"x-ratelimit-limit-requests": "10"}))
+    await sink.emit(Heartbeat())
+    for w in WORDS:
+        await sink.emit(TextDelta(index=0, text=w, tokens=1))
+    await sink.emit(ChoiceFinished(index=0, reason="stop", completion_tokens=len(WORDS)))
+    done = Completed(prompt_tokens=11, completion_tokens=len(WORDS), cached_tokens=3, timings=TIMINGS)
+    await sink.emit(done)
+    await sink.emit(
+        Ended(
+            status=200, reason="stop", submitted=True, prompt_tokens=11, completion_tokens=3, cached_tokens=3
         )
-        if not body.get("stream"):
-            msg = {"role": "assistant", "content": "".join(WORDS)}
-            await w.json(
-                200,
-                {
-                    "id": "x",
-                    "object": "chat.completion",
-                    "created": 0,
-                    "model": body["model"],
-                    "choices": [{"index": 0, "message": msg, "finish_reason": "stop", "logprobs": None}],
-                    "usage": usage,
-                },
-            )
-            return
-        await w.start()
-        await w.ping()
-        for t in WORDS:
-            await w.event(
-                json.dumps(
-                    {"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}
-                ).encode()
-            )
-        await w.event(json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}).encode())
-        await w.event(json.dumps({"choices": [], "usage": usage}).encode())
-        await w.done()
-
-    return CallResponse(produce)
+    )
 
 
-async def authenticate(request: Request):
-    if request.headers.get("authorization") != f"Bearer {KEY}":
-        raise AuthenticationError()
+@pytest.fixture(autouse=True)
+def stand_in_generation(monkeypatch):
+    monkeypatch.setattr(routes_module, "prepare_chat", fake_prepare)
+    monkeypatch.setattr(response_module, "run_generation", fake_run)
 
 
 def make_app():
-    card = ModelCard(
-        name="smol", context_length=2048, quantization="Q4_1", model_path="/nonexistent/smol.gguf"
-    )
-    api = OllamaAPI(fake_chat_endpoint, lambda: card, authenticate)
-
     async def api_error(request, exc: APIError):
         from starlette.responses import JSONResponse
 
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    app = Starlette(routes=api.routes(), exception_handlers={APIError: api_error})
+    app = Starlette(routes=OllamaAPI(StandInGateway()).routes(), exception_handlers={APIError: api_error})
     return ObservabilityMiddleware(app, GatewayMetrics("smol"))
 
 
@@ -199,16 +199,15 @@ async def test_errors_in_ollama_shape():
             headers={"authorization": f"Bearer {KEY}"},
         )
         assert r.json()["prompt_eval_cached_count"] == 3  # extension field (the client drops unknown fields)
-        lines = [
-            json.loads(x)
-            for x in (
-                await h.post(
-                    "/api/chat",
-                    json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]},
-                    headers={"authorization": f"Bearer {KEY}"},
-                )
-            ).text.splitlines()
-        ]
+        assert r.headers["x-ratelimit-limit-requests"] == "10"
+        resp = await h.post(
+            "/api/chat",
+            json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {KEY}"},
+        )
+        assert resp.headers["content-type"] == "application/x-ndjson"
+        assert resp.headers["x-ratelimit-limit-requests"] == "10"
+        lines = [json.loads(x) for x in resp.text.splitlines()]
         assert (
             lines[-1]["done"]
             and lines[-1]["prompt_eval_cached_count"] == 3
@@ -227,22 +226,40 @@ async def test_tags_show_version():
     assert show.modelinfo["llama.context_length"] == 2048
     with pytest.raises(ollama.ResponseError):
         await oclient(app, "bad").list()
+    with pytest.raises(ollama.ResponseError) as ei:
+        await c.show("nope")
+    assert ei.value.status_code == 404
+    ps = await c.ps()
+    assert [m.model for m in ps.models] == ["smol"] and ps.models[0].size_vram == 0
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
         assert (await h.get("/api/version")).json()["version"]
 
 
 def test_translation_helpers():
-    assert options_to_openai({"num_predict": -1, "num_ctx": 4096, "min_p": 0.1}) == {"min_p": 0.1}
-    assert options_to_openai({"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_p": 0.9}) == {
-        "presence_penalty": 0.5,
-        "frequency_penalty": 0.25,
-        "top_p": 0.9,
-    }
+    assert parse_options({"num_predict": -1, "num_ctx": 4096, "min_p": 0.1}) == Options(
+        num_predict=-1, min_p=0.1
+    )
+    assert parse_options({"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_p": 0.9}) == Options(
+        presence_penalty=0.5, frequency_penalty=0.25, top_p=0.9
+    )
+    assert parse_options({"top_k": 4.0, "stop": "x"}) == Options(top_k=4, stop=["x"])
+    for bad in ({"num_predict": "lots"}, {"top_k": 1.5}, {"temperature": True}, {"stop": [1]}, [1]):
+        with pytest.raises(APIError) as ei:
+            parse_options(bad)
+        assert ei.value.status == 400 and ei.value.param.startswith("options")
+    req = to_chat_request({"model": "m", "prompt": "x", "options": {"num_predict": -1}}, "generate")
+    assert req.max_tokens is None and req.stream and req.stream_options.include_usage
     with pytest.raises(APIError):
-        options_to_openai({"num_predict": "lots"})
-    with pytest.raises(APIError):
-        generate_to_openai({"model": "m", "prompt": "x", "raw": True})
-    assert chat_to_openai({"model": "m", "messages": [], "stream": False, "tools": []})["stream"] is False
-    p = SSEParser()
-    assert p.feed(b'data: {"a":1}\n\n: ping\n\ndata: [DO') == [{"a": 1}]
-    assert p.feed(b"NE]\n\n") == ["[DONE]"]
+        to_chat_request({"model": "m", "prompt": "x", "raw": True}, "generate")
+    assert (
+        to_chat_request({"model": "m", "messages": [], "stream": False, "tools": []}, "chat").stream is False
+    )
+    for body, param in (
+        ({"messages": []}, "model"),
+        ({"model": "m", "stream": "yes"}, "stream"),
+        ({"model": "m", "messages": [{"content": "hi"}]}, "messages[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ):
+        with pytest.raises(APIError) as ei:
+            to_chat_request(body, "chat")
+        assert ei.value.param == param
