@@ -1,13 +1,15 @@
-"""The Starlette app: OpenAI-compatible routes, health probes, admin stats, error rendering.
+"""The gateway's ASGI app: every route and the middleware order (``build_app``), and error rendering.
 
-Routes:
-    POST /v1/chat/completions, POST /v1/completions   (stream or not; see docs/gateway.md)
-    GET  /v1/models                                   model card (context length, quantization, device...)
-    GET  /v1/models/{model_id}                        one model, the same object as its /v1/models entry; 404 if unknown
-    GET  /health                                      liveness as in vLLM: 200, empty body, while the process runs
-    GET  /healthz                                     200 while the process runs
-    GET  /readyz                                      200 when a backend is ready and we are not draining, else 503
-    GET  /admin/v1/stats                              engine counters (Bearer admin key)
+Routes (all declared in ``build_app``):
+    POST /v1/chat/completions, POST /v1/completions   OpenAI (gateway/openai/; stream or not, docs/gateway.md)
+    GET  /v1/models, /v1/models/{model_id}            the model card per served name (gateway/openai/models.py)
+    GET  /health, /healthz, /readyz                   probes (gateway/probes.py; public)
+    GET  /admin/v1/stats                              engine counters (admin key; gateway/probes.py)
+    /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version   Ollama (gateway/ollama/)
+    GET  /metrics                                     Prometheus (gateway/metrics.py; public)
+    /admin/v1/*, GET /v1/usage                        admin API and a tenant's own usage (gateway/admin/)
+    GET  /openapi.json                                the generated OpenAPI document (gateway/openapi.py)
+    GET  /, /static/*                                 the playground (gateway/playground.py; public)
 
 Request handling order (each step's failure is an OpenAI error object):
 auth (tenancy, when configured) -> body (413 over ``max_body_bytes``,
@@ -24,18 +26,28 @@ unknown routes are 404 and wrong methods 405, in the same shape.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
 
+from gateway.admin.routes import admin_routes, usage_routes
 from gateway.errors import APIError, InternalError, NotFound
+from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send
+from gateway.middleware.auth import AuthMiddleware
+from gateway.middleware.cors import CORSMiddleware
+from gateway.middleware.drain import DrainGate
+from gateway.ollama_api import OllamaAPI
 from gateway.openai.models import list_models, retrieve_model
 from gateway.openai.routes import chat_completions, completions
+from gateway.openapi import openapi_routes
+from gateway.playground import playground_routes
 from gateway.probes import admin_stats, health, healthz, readyz
-from gateway.request_log import get_record
+from gateway.request_log import ObservabilityMiddleware, get_record
 from gateway.state import Gateway
 
 log = logging.getLogger("gateway")
@@ -65,9 +77,28 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(err.body(), status_code=500)
 
 
-def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list | None = None) -> Starlette:
-    """The Starlette app for ``gw`` (``app.state.gateway``). ``extra_routes`` (e.g. tenancy admin routes) are appended."""
-    routes = [
+@dataclass(frozen=True)
+class GatewayApp:
+    """The ASGI app to serve (``asgi``: the outermost middleware) and the drain gate inside it (the server
+    waits on ``drain.idle()`` after a signal). Callable as the ASGI app itself."""
+
+    asgi: ASGIApp
+    drain: DrainGate
+    starlette: Starlette
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.asgi(scope, receive, send)
+
+
+def build_app(gw: Gateway) -> GatewayApp:
+    """Every route and the middleware order of the gateway, declared here and nowhere else.
+
+    Middleware, outermost first: CORS (a preflight is answered before auth; error responses get CORS headers
+    too, so a browser can read a 401 or 429 body) -> drain gate (503 while draining, counts requests in
+    flight) -> observability (request id, access log, request metrics: it sees 500s too) -> Starlette's error
+    middleware -> auth (every non-public path, once) -> the exception handlers -> the routes.
+    """
+    routes: list[BaseRoute] = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
@@ -75,9 +106,18 @@ def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list
         Route("/health", health, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Route("/admin/v1/stats", admin_stats, methods=["GET"]),
-        *(extra_routes or []),
+        Route("/admin/v1/stats", admin_stats, methods=["GET"]),  # before the admin mount: it wins
+        *OllamaAPI(
+            chat_completions, lambda: gw.pool.card, gw.authenticate, gw.model_names, gw.config.max_body_bytes
+        ).routes(),
     ]
+    if gw.metrics is not None:
+        routes.append(Route("/metrics", gw.metrics.endpoint, methods=["GET"]))
+    middleware: list[Middleware] = []
+    if gw.tenancy is not None:
+        routes += [Mount("/admin/v1", routes=admin_routes(gw.tenancy)), *usage_routes(gw.tenancy)]
+        middleware.append(Middleware(AuthMiddleware, tenants=gw.tenancy))
+    routes += [*openapi_routes(), *playground_routes()]
     app = Starlette(
         routes=routes,
         middleware=middleware,
@@ -85,13 +125,6 @@ def build_app(gw: Gateway, *, extra_routes: list | None = None, middleware: list
     )
     app.state.gateway = gw
     app.router.redirect_slashes = False  # a 307 built from the Host header would be an open redirect
-    # observability: /metrics, Ollama API routes, x-request-id, access log (outermost wrapper, forwards attributes)
-    from gateway.metrics import instrument
-
-    return instrument(
-        app,
-        gw,
-        tenant_label=gw.config.metrics_tenant_label,
-        log_content=gw.config.log_content,
-        access_log=gw.config.access_log,
-    )
+    observed = ObservabilityMiddleware(app, gw.metrics, log_content=gw.settings.observability.log_content)
+    drain = DrainGate(observed, gw.pool)
+    return GatewayApp(CORSMiddleware(drain, origins=gw.config.cors_origins), drain, app)

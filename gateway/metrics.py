@@ -24,10 +24,10 @@ only when the number of tenants is bounded by configuration); past
 ``max_tenants`` distinct values further tenants are reported as "other".
 Histograms never carry a tenant label.
 
-Wiring (gateway/app.py)::
+Wiring (gateway/server.py builds it, gateway/app.py ``build_app`` routes and wraps)::
 
-    metrics = GatewayMetrics(tenant_label=args.metrics_tenant_label)
-    metrics.set_stats_source(backend_client.get_stats)   # async () -> Stats
+    metrics = GatewayMetrics(card.name, tenant_label=settings.observability.metrics_tenant_label)
+    metrics.set_stats_source(pool.stats)                  # async () -> {backend: (Stats, restarts)}
     routes.append(Route("/metrics", metrics.endpoint))
     app = ObservabilityMiddleware(app, metrics)           # gateway/request_log.py
 """
@@ -512,16 +512,6 @@ class GatewayMetrics:
         return Response(await self.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def add_cli_args(parser: Any) -> None:
-    """Add ``--metrics-tenant-label`` to an argparse parser."""
-    parser.add_argument(
-        "--metrics-tenant-label",
-        action="store_true",
-        default=False,
-        help="add a tenant label to request counters in /metrics (only for a bounded, configured set of tenants)",
-    )
-
-
 # ---------------------------------------------------------------------- scrape parsing (tests, tools)
 
 
@@ -551,95 +541,3 @@ def sample_sum(samples: dict, name: str, **labels: str) -> float:
         if all(d.get(k) == val for k, val in labels.items()) and not math.isnan(v):
             total += v
     return total
-
-
-# ---------------------------------------------------------------------- wiring
-
-
-def pool_stats_source(pool: Any, metrics: GatewayMetrics | None = None) -> StatsSource:
-    """A stats source over a ``BackendPool``: ``{supervisor.name: (Stats, supervisor.restarts)}`` of its live clients.
-
-    Also keeps ``metrics.model_name`` in step with the pool's model card. A
-    backend whose poll fails is skipped (its last counters are kept).
-    """
-
-    async def source() -> dict[str, Any]:
-        card = getattr(pool, "card", None)
-        if metrics is not None and card is not None:
-            metrics.model_name = card.name
-        out: dict[str, Any] = {}
-        for sup in getattr(pool, "supervisors", []):
-            c = getattr(sup, "client", None)
-            if c is None or not getattr(c, "alive", False):
-                continue
-            try:
-                out[sup.name] = (await c.get_stats(), getattr(sup, "restarts", None))
-            except Exception:  # noqa: BLE001 - one dead backend must not hide the others
-                log.debug("stats poll of %s failed", sup.name, exc_info=True)
-        return out
-
-    return source
-
-
-def instrument(
-    app: Any,
-    gw: Any = None,
-    *,
-    tenant_label: bool = False,
-    log_content: bool = False,
-    access_log: str | None = None,
-    ollama: bool = True,
-    metrics: GatewayMetrics | None = None,
-) -> Any:
-    """Wire observability into a built Starlette app in one call; returns the ASGI app to serve.
-
-    Adds ``GET /metrics`` and (``ollama=True``) the Ollama routes to ``app``'s
-    router, sets ``gw.metrics`` and polls ``gw.pool`` for backend ``Stats`` on
-    each scrape, configures the access log when ``access_log`` is given ("-",
-    a path, or "off"), and wraps ``app`` in ``ObservabilityMiddleware``
-    (outermost, so every response, 500s included, carries ``x-request-id``).
-    The wrapper forwards attribute access (``.state``, ``.routes``...) to ``app``.
-
-    Args:
-        app: the Starlette app from ``gateway.app.build_app``.
-        gw: its ``Gateway`` (``app.state.gateway`` when None).
-        tenant_label, log_content: the ``--metrics-tenant-label`` / ``--log-content`` flags.
-    """
-    import os
-
-    from starlette.routing import Route
-
-    from gateway.request_log import ObservabilityMiddleware, configure_access_log
-
-    if gw is None:
-        gw = app.state.gateway
-    # Environment switches (until/besides the CLI flags): GATEWAY_METRICS_TENANT_LABEL=1, GATEWAY_LOG_CONTENT=1,
-    # GATEWAY_ACCESS_LOG=-|PATH|off
-    tenant_label = tenant_label or os.environ.get("GATEWAY_METRICS_TENANT_LABEL", "") in ("1", "true", "yes")
-    log_content = log_content or os.environ.get("GATEWAY_LOG_CONTENT", "") in ("1", "true", "yes")
-    access_log = os.environ.get("GATEWAY_ACCESS_LOG", access_log)
-    m = metrics or GatewayMetrics(tenant_label=tenant_label)
-    pool = getattr(gw, "pool", None)
-    if pool is not None:
-        m.set_stats_source(pool_stats_source(pool, m))
-    try:
-        gw.metrics = m
-    except AttributeError:  # pragma: no cover
-        pass
-    routes = [Route("/metrics", m.endpoint, methods=["GET"])]
-    if ollama:
-        from gateway.ollama_api import OllamaAPI
-        from gateway.openai.routes import chat_completions
-
-        routes += OllamaAPI(
-            chat_completions,
-            lambda: getattr(pool, "card", None),
-            getattr(gw, "authenticate", None),
-            getattr(gw, "model_names", None),
-            max_body_bytes=gw.config.max_body_bytes,
-        ).routes()
-    have = {getattr(r, "path", None) for r in app.router.routes}
-    app.router.routes.extend(r for r in routes if r.path not in have)
-    if access_log is not None:
-        configure_access_log(access_log)
-    return ObservabilityMiddleware(app, m, log_content=log_content)

@@ -372,21 +372,6 @@ def configure_access_log(destination: str | None = "-", level: int = logging.INF
     return handler
 
 
-def add_cli_args(parser: Any) -> None:
-    """Add ``--access-log`` and ``--log-content`` to an argparse parser."""
-    parser.add_argument(
-        "--access-log",
-        default="-",
-        help="where JSON access-log lines go: '-' (stderr, default), a file path, or 'off'",
-    )
-    parser.add_argument(
-        "--log-content",
-        action="store_true",
-        default=False,
-        help="DEBUG ONLY: put prompt and output text in access-log lines (off by default; keys are never logged)",
-    )
-
-
 def _content_error_fields(body: bytes) -> tuple[str | None, str | None]:
     """(type, code) of an OpenAI-shaped ``{"error": {...}}`` body, or of an Ollama ``{"error": str, "type", "code"}`` one."""
     try:

@@ -362,6 +362,6 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
 def configure_logging(settings: Settings) -> None:
     """Root logging to stderr at ``observability.log_level``."""
     logging.basicConfig(
-        level=getattr(logging, settings.observability.log_level, logging.INFO),
+        level=settings.observability.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )

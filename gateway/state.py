@@ -1,5 +1,5 @@
-"""Process-wide gateway state: ``GatewayConfig`` (HTTP-side tunables) and ``Gateway`` (collaborators read by
-the handlers: backend pool, tokenizer, chat template, tenancy, filters, metrics)."""
+"""Process-wide gateway state: ``Gateway``, the settings (``gateway.settings.Settings``) and the collaborators
+read by the handlers: backend pool, tokenizer, chat template, tenancy, filters, metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import msgspec
 import trio
 from starlette.requests import Request
 
@@ -17,28 +16,15 @@ from auth.authenticator import Authenticator
 from auth.errors import AuthError
 from auth.principal import Principal
 from backend.protocol import ModelCard
+from gateway.backends.pool import BackendPool
 from gateway.error_map import api_error
 from gateway.errors import NotFound, ServiceUnavailable
+from gateway.filters import TenantFilters
+from gateway.metrics import GatewayMetrics
+from gateway.settings import Settings
 from gateway.tenants import Tenants
 from ratelimit.reservation import Reservation
-
-
-class GatewayConfig(msgspec.Struct, kw_only=True):
-    """Tunables of the HTTP side (CLI flags of ``python -m gateway serve``)."""
-
-    max_body_bytes: int = 4 * 1024 * 1024  # bytes
-    heartbeat_s: float = 5.0  # seconds between ": ping" comments while no token arrives
-    backend_wait_s: float = 30.0  # seconds a new request waits for a (re)starting backend before 503
-    admin_key: str | None = None
-    served_model_names: list[str] = []  # extra names accepted in "model"
-    # prompts with more characters than this are templated + tokenized in a worker thread (the Rust
-    # tokenizer releases the GIL), so a burst of arrivals does not stall token streaming; 0 = always inline
-    thread_tokenize_chars: int = 8192
-    # observability (docs/observability.md): tenant label on /metrics counters, prompt/output text in the
-    # access log (debug only), access-log destination ("-" stderr, a path, "off")
-    metrics_tenant_label: bool = False
-    log_content: bool = False
-    access_log: str | None = "-"
+from templating import ChatTemplate, TextTokenizer
 
 
 class Gateway:
@@ -46,16 +32,17 @@ class Gateway:
 
     def __init__(
         self,
-        config: GatewayConfig,
-        pool: Any,
-        tokenizer: Any,
-        template: Any,
+        settings: Settings,
+        pool: BackendPool,
+        tokenizer: TextTokenizer,
+        template: ChatTemplate,
         *,
         tenancy: Tenants | None = None,
-        filters: Any = None,
-        metrics: Any = None,
+        filters: TenantFilters | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
-        self.config = config
+        self.settings = settings
+        self.config = settings.http  # the HTTP-side section, read on every request
         self.pool = pool
         self.tokenizer = tokenizer
         self.template = template
@@ -97,7 +84,7 @@ class Gateway:
     def model_names(self) -> list[str]:
         card = self.pool.card
         names = [card.name] if card is not None else []
-        return names + [n for n in self.config.served_model_names if n not in names]
+        return names + [n for n in self.config.served_model_name if n not in names]
 
     def check_model(self, model: str) -> str:
         """The served name for ``model``. Raises ``NotFound`` (404, param model) for an unknown model."""
@@ -150,7 +137,7 @@ class Gateway:
             await self.tenancy.require_admin(request.scope)
             return
         try:  # no tenancy: no tenant keys, only the configured admin key passes
-            await Authenticator(None, admin_key=self.config.admin_key).check_admin(
+            await Authenticator(None, admin_key=self.settings.tenancy.admin_key).check_admin(
                 request.scope.get("headers") or [], request.scope.get("query_string") or b""
             )
         except AuthError as e:

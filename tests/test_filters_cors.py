@@ -12,8 +12,9 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from gateway.middleware.cors import EXPOSE_HEADERS, CORSMiddleware, cors_origins_from_env
 from gateway.errors import APIError, RateLimited
+from gateway.middleware.cors import EXPOSE_HEADERS, CORSMiddleware
+from gateway.settings import load_settings
 
 
 def _inner_app():
@@ -134,8 +135,10 @@ async def test_origin_allowlist():
         assert r.headers["access-control-allow-origin"] == "http://good.example"
 
 
-def test_origins_from_env(monkeypatch):
-    monkeypatch.delenv("GATEWAY_CORS_ORIGINS", raising=False)
-    assert cors_origins_from_env() == "*"
-    monkeypatch.setenv("GATEWAY_CORS_ORIGINS", "http://a.example, http://b.example/")
-    assert cors_origins_from_env() == ["http://a.example", "http://b.example"]
+def test_origins_from_env():
+    """``GATEWAY_CORS_ORIGINS`` (the old name of ``LLM_GATEWAY_CORS_ORIGINS``): comma-separated origins."""
+    any_origin = CORSMiddleware(_inner_app(), origins=load_settings(["serve"], {})[0].http.cors_origins)
+    assert any_origin.any_origin
+    env = {"GATEWAY_CORS_ORIGINS": "http://a.example, http://b.example/"}
+    listed = CORSMiddleware(_inner_app(), origins=load_settings(["serve"], env)[0].http.cors_origins)
+    assert not listed.any_origin and listed.origins == {"http://a.example", "http://b.example"}

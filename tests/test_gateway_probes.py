@@ -27,7 +27,8 @@ from gateway.errors import APIError
 from gateway.middleware.auth import classify_path
 from gateway.middleware.drain import DrainGate
 from gateway.openai.models import list_models, retrieve_model
-from gateway.state import Gateway, GatewayConfig
+from gateway.settings import HTTPSettings, Settings
+from gateway.state import Gateway
 
 
 def test_health_is_public_liveness(gateway):
@@ -154,7 +155,8 @@ async def test_models_retrieve_ids_with_slash_and_dots():
     """A served name like ``org/model-1.5``: the SDK percent-encodes the ``/`` (``org%2Fmodel-1.5``), hypercorn
     decodes it, and the ``{model_id:path}`` route matches it whole (the real handlers, in process)."""
     card = ModelCard(name="SmolLM2.Q4_1", context_length=128, vocab_size=10)
-    gw = Gateway(GatewayConfig(served_model_names=["org/model-1.5"]), SimpleNamespace(card=card), None, None)
+    settings = Settings(http=HTTPSettings(served_model_name=["org/model-1.5"]))
+    gw = Gateway(settings, SimpleNamespace(card=card), None, None)
     app = Starlette(
         routes=[Route("/v1/models", list_models), Route("/v1/models/{model_id:path}", retrieve_model)],
         exception_handlers={APIError: _api_error},

@@ -170,7 +170,7 @@ class _Run:
             return handle.receive_nowait()
         except trio.WouldBlock:
             pass
-        with trio.move_on_after(self.gw.config.heartbeat_s):
+        with trio.move_on_after(self.gw.config.sse_heartbeat):
             return await handle.next()
         return NOTHING
 
@@ -188,7 +188,7 @@ class _Run:
             self.handle, self.t_submit = handle, handle.submitted_at
             # Hold the status line back briefly so that an early backend error can still be a 4xx/5xx.
             pending: RequestOutput | None | _Nothing = NOTHING
-            with trio.move_on_after(self.gw.config.heartbeat_s):
+            with trio.move_on_after(self.gw.config.sse_heartbeat):
                 pending = await handle.next()
             await self.sink.emit(Started(headers=headers, waiting=pending is NOTHING))
             while self.open > 0:

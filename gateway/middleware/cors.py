@@ -15,12 +15,11 @@ Source: WHATWG Fetch, "CORS protocol" (https://fetch.spec.whatwg.org/#http-cors-
 
 Usage (outermost, so it also wraps auth and error handlers)::
 
-    app = CORSMiddleware(starlette_app, origins=cors_origins_from_env())
+    app = CORSMiddleware(starlette_app, origins=settings.http.cors_origins)
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
@@ -51,20 +50,13 @@ DEFAULT_ALLOW_HEADERS = (
 )
 
 
-def cors_origins_from_env(var: str = "GATEWAY_CORS_ORIGINS") -> str | list[str]:
-    """``"*"`` unless ``$GATEWAY_CORS_ORIGINS`` holds a comma-separated list of origins."""
-    v = os.environ.get(var, "*").strip()
-    if v in ("", "*"):
-        return "*"
-    return [o.strip().rstrip("/") for o in v.split(",") if o.strip()]
-
-
 class CORSMiddleware:
     """Pure ASGI CORS middleware (works under hypercorn/trio; no per-request allocation of apps).
 
     Args:
         app: the ASGI app to wrap.
-        origins: ``"*"`` or a list of allowed origins (``scheme://host[:port]``, no trailing slash).
+        origins: ``"*"`` or a list of allowed origins (``scheme://host[:port]``; a trailing slash is dropped);
+            an empty list, or one holding ``"*"``, allows any (settings: ``http.cors_origins``).
         max_age: seconds a browser may cache a preflight answer (``Access-Control-Max-Age``).
         expose_headers: response headers scripts may read.
     """
@@ -78,8 +70,9 @@ class CORSMiddleware:
         expose_headers: Iterable[str] = EXPOSE_HEADERS,
     ) -> None:
         self.app = app
-        self.any_origin = origins == "*"
-        self.origins = frozenset() if self.any_origin else frozenset(o.rstrip("/") for o in origins)
+        listed = [o.rstrip("/") for o in ([origins] if isinstance(origins, str) else origins)]
+        self.any_origin = not listed or "*" in listed
+        self.origins = frozenset() if self.any_origin else frozenset(listed)
         self.max_age = max_age
         self.expose = ", ".join(expose_headers)
 

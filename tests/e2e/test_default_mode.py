@@ -53,26 +53,14 @@ def test_default_mode_is_bf16_and_follows_the_reference(make_gateway, chat_fixtu
         assert r.json()["usage"]["prompt_tokens"] == len(case["prompt_ids"])
         checked += 1
     assert checked >= 3
-    s = stream_post(
-        gw,
-        CHAT,
-        {
-            "model": gw.model,
-            "messages": [{"role": "user", "content": "Name three colors."}],
-            "max_tokens": 24,
-            "temperature": 0,
-        },
-    )
-    n = post_json(
-        gw,
-        CHAT,
-        {
-            "model": gw.model,
-            "messages": [{"role": "user", "content": "Name three colors."}],
-            "max_tokens": 24,
-            "temperature": 0,
-        },
-    )
+    colors = {
+        "model": gw.model,
+        "messages": [{"role": "user", "content": "Name three colors."}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    s = stream_post(gw, CHAT, colors)
+    n = post_json(gw, CHAT, colors)
     assert s.done and s.content() and s.content() == n.json()["choices"][0]["message"]["content"]
     st = gw.wait_idle(baseline_kv=baseline)
     assert st["running"] == 0 and st["waiting"] == 0 and st["kv_blocks_used"] <= baseline

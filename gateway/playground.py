@@ -1,0 +1,28 @@
+"""The browser playground: ``GET /`` (``static/index.html``, never cached) and ``/static/*`` (its script and
+style). Public paths (no key: the page asks for one and sends it as a bearer token)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import FileResponse
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+
+async def index(request: Request) -> FileResponse:
+    """GET /: the playground page."""
+    return FileResponse(STATIC_DIR / "index.html", headers={"cache-control": "no-cache"})
+
+
+def playground_routes() -> list[BaseRoute]:
+    """``/`` and ``/static`` when the static folder is installed, else none."""
+    if not STATIC_DIR.is_dir():
+        return []
+    return [
+        Route("/", index, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+    ]
