@@ -41,7 +41,7 @@ from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send
 from gateway.middleware.auth import AuthMiddleware
 from gateway.middleware.cors import CORSMiddleware
 from gateway.middleware.drain import DrainGate
-from gateway.ollama_api import OllamaAPI
+from gateway.ollama.routes import OllamaAPI
 from gateway.openai.models import list_models, retrieve_model
 from gateway.openai.routes import chat_completions, completions
 from gateway.openapi import openapi_routes
@@ -107,9 +107,7 @@ def build_app(gw: Gateway) -> GatewayApp:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/admin/v1/stats", admin_stats, methods=["GET"]),  # before the admin mount: it wins
-        *OllamaAPI(
-            chat_completions, lambda: gw.pool.card, gw.authenticate, gw.model_names, gw.config.max_body_bytes
-        ).routes(),
+        *OllamaAPI(gw).routes(),
     ]
     if gw.metrics is not None:
         routes.append(Route("/metrics", gw.metrics.endpoint, methods=["GET"]))
