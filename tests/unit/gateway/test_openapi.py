@@ -1,0 +1,89 @@
+"""The OpenAPI document: every route of the real app is in it with its error statuses, and its request and
+response schemas are the msgspec types the handlers decode and encode."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+from starlette.routing import BaseRoute, Mount, Route
+
+from gateway.admin.schemas import KeyCreate, LimitsPatch, LimitsPut, TenantCreate
+from gateway.app import build_app
+from gateway.backends.pool import BackendPool
+from gateway.metrics import GatewayMetrics
+from gateway.openai.schemas import ChatRequest, CompletionRequest
+from gateway.openapi import ROUTES, error_statuses, openapi_spec
+from gateway.settings import Settings
+from gateway.state import Gateway
+from gateway.tenants import Tenants
+
+
+def served(routes: list[BaseRoute], prefix: str = "") -> set[tuple[str, str]]:
+    """(method, OpenAPI path) of every route (HEAD left out: Starlette adds it to every GET)."""
+    out: set[tuple[str, str]] = set()
+    for r in routes:
+        if isinstance(r, Mount):
+            out |= served(r.routes, prefix + r.path) if r.routes else {("GET", prefix + r.path + "/{path}")}
+        elif isinstance(r, Route):
+            path = re.sub(r"\{(\w+):\w+\}", r"{\1}", prefix + r.path)  # {model_id:path} -> {model_id}
+            out |= {(m, path) for m in r.methods or () if m != "HEAD"}
+    return out
+
+
+def app_routes() -> set[tuple[str, str]]:
+    gw = Gateway(
+        Settings(), BackendPool([]), None, None, tenancy=Tenants(":memory:"), metrics=GatewayMetrics("m")
+    )
+    return served(build_app(gw).starlette.routes)
+
+
+def test_every_route_is_documented_with_its_errors():
+    doc = openapi_spec()
+    documented = {(method.upper(), path) for path, ops in doc["paths"].items() for method in ops}
+    routes = app_routes()
+    assert routes == documented, (sorted(routes - documented), sorted(documented - routes))
+    assert len(ROUTES) == len(documented)  # one table entry per route
+    for op in ROUTES:
+        responses = doc["paths"][op.path][op.method.lower()]["responses"]
+        assert str(op.status) in responses, op
+        for status in error_statuses(op):
+            assert responses[str(status)]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/Error"
+            }, (op, status)
+        if op.caller == "tenant":
+            assert "401" in responses, op
+        if op.caller == "admin":
+            assert {"401", "403"} <= set(responses), op
+        if op.admitted:
+            assert "retry-after" in responses["429"]["headers"], op
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"400", "401", "404", "413", "429", "503"} <= set(chat)
+    assert {"400", "401", "403", "404", "409", "413"} <= set(
+        doc["paths"]["/admin/v1/tenants/{tenant_id}"]["patch"]["responses"]
+    )
+    json.dumps(doc)
+
+
+def test_request_schemas_are_the_msgspec_ones():
+    doc = openapi_spec()
+    components = doc["components"]["schemas"]
+    types = (ChatRequest, CompletionRequest, TenantCreate, KeyCreate, LimitsPut, LimitsPatch)
+    _, expected = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    for name, schema in expected.items():
+        assert components[name] == schema, name
+
+    def body(path: str, method: str) -> dict:
+        return doc["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
+
+    assert body("/v1/chat/completions", "post") == {"$ref": "#/components/schemas/ChatRequest"}
+    assert body("/v1/completions", "post") == {"$ref": "#/components/schemas/CompletionRequest"}
+    limits = "/admin/v1/tenants/{tenant_id}/limits"
+    assert body(limits, "put") == {"$ref": "#/components/schemas/LimitsPut"}
+    assert body(limits, "patch") == {"$ref": "#/components/schemas/LimitsPatch"}
+    assert set(components["LimitsPut"]["required"]) == {"rpm", "tpm", "max_concurrent", "daily_tokens"}
+    assert "required" not in components["LimitsPatch"] or not components["LimitsPatch"]["required"]
+    assert "messages" in components["ChatRequest"]["required"]
+    refs = re.findall(r'"#/components/schemas/(\w+)"', json.dumps(doc))
+    assert set(refs) <= set(components)  # every reference resolves
