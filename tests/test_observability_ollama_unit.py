@@ -263,3 +263,24 @@ def test_translation_helpers():
         with pytest.raises(APIError) as ei:
             to_chat_request(body, "chat")
         assert ei.value.param == param
+
+
+async def test_a_fault_mid_stream_is_one_ollama_error_line(monkeypatch):
+    async def broken_run(gw, req, sink):
+        await sink.emit(Started())
+        await sink.emit(TextDelta(index=0, text="Hel", tokens=1))
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(response_module, "run_generation", broken_run)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=make_app()), base_url="http://t") as h:
+        r = await h.post(
+            "/api/chat",
+            json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {KEY}"},
+        )
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+    lines = [json.loads(x) for x in r.text.splitlines()]
+    assert lines[0]["message"]["content"] == "Hel"
+    assert (
+        lines[-1] == {"error": lines[-1]["error"], "type": "server_error", "code": None} and len(lines) == 2
+    )

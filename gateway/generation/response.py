@@ -12,10 +12,11 @@ NDJSON error line).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from gateway.errors import APIError
+from gateway.errors import APIError, InternalError
 from gateway.generation.events import Event, EventSink
 from gateway.generation.request import GenerationRequest
 from gateway.generation.run import run_generation
@@ -23,6 +24,8 @@ from gateway.generation.tee import Tee
 from gateway.request_log import RecordObserver, RequestRecord
 from gateway.state import Gateway
 from gateway.streaming import CallResponse, ResponseWriter
+
+log = logging.getLogger("gateway")
 
 
 class Renderer(Protocol):
@@ -51,5 +54,8 @@ def generation_response(
             await run_generation(gw, req, Tee(*sinks))
         except APIError as exc:
             await renderer.fail(exc)
+        except Exception:  # noqa: BLE001 - a fault of ours: a 500, or the API's in-stream error
+            log.exception("generation failed")
+            await renderer.fail(InternalError("The server had an error while processing your request."))
 
     return CallResponse(produce)
