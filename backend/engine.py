@@ -21,7 +21,6 @@ owning all state, outputs batched per step).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import traceback
@@ -42,7 +41,8 @@ from backend.protocol import (
     TokenLogprob,
     Usage,
 )
-from backend.sampling import MAX_TOP_LOGPROBS, ChoiceState, sample
+from backend.sampling import ChoiceState, sample
+from backend.sampling_rules import check_sampling
 from backend.scheduler import Scheduler, SchedulerOutput
 from backend.sequence import SeqStatus, Sequence
 
@@ -182,66 +182,11 @@ class Engine:
             bad = next(t for t in ids if t < 0 or t >= V)
             return err("invalid_token_id", f"prompt token id {bad} outside [0, {V})", "prompt_ids")
         p: SamplingParams = submit.sampling
-        if not 1 <= p.n <= self.max_num_seqs:
-            return err("invalid_parameter", f"n must be in [1, {self.max_num_seqs}], got {p.n}", "n")
-        if p.max_tokens < 1:
-            return err("invalid_parameter", f"max_tokens must be >= 1, got {p.max_tokens}", "max_tokens")
-        if not 0 <= p.min_tokens <= p.max_tokens:
-            return err(
-                "invalid_parameter",
-                f"min_tokens must be in [0, max_tokens], got {p.min_tokens}",
-                "min_tokens",
-            )
-
-        def bad_float(v: float, lo: float, hi: float, lo_open: bool = False) -> bool:
-            return not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi)
-
-        if bad_float(p.temperature, 0.0, 100.0):
-            return err(
-                "invalid_parameter", f"temperature must be in [0, 100], got {p.temperature}", "temperature"
-            )
-        if bad_float(p.top_p, 0.0, 1.0, lo_open=True):
-            return err("invalid_parameter", f"top_p must be in (0, 1], got {p.top_p}", "top_p")
-        if p.top_k < -1:
-            return err(
-                "invalid_parameter", f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}", "top_k"
-            )
-        if bad_float(p.min_p, 0.0, 1.0):
-            return err("invalid_parameter", f"min_p must be in [0, 1], got {p.min_p}", "min_p")
-        if bad_float(p.presence_penalty, -2.0, 2.0):
-            return err(
-                "invalid_parameter",
-                f"presence_penalty must be in [-2, 2], got {p.presence_penalty}",
-                "presence_penalty",
-            )
-        if bad_float(p.frequency_penalty, -2.0, 2.0):
-            return err(
-                "invalid_parameter",
-                f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}",
-                "frequency_penalty",
-            )
-        if bad_float(p.repetition_penalty, 0.0, 100.0, lo_open=True):
-            return err(
-                "invalid_parameter",
-                f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}",
-                "repetition_penalty",
-            )
-        for k, v in p.logit_bias.items():
-            if not 0 <= int(k) < V:
-                return err("invalid_parameter", f"logit_bias token id {k} outside [0, {V})", "logit_bias")
-            if bad_float(float(v), -100.0, 100.0):
-                return err(
-                    "invalid_parameter",
-                    f"logit_bias value {v} for token {k} outside [-100, 100]",
-                    "logit_bias",
-                )
-        for t in p.stop_token_ids:
-            if not 0 <= t < V:
-                return err("invalid_parameter", f"stop token id {t} outside [0, {V})", "stop_token_ids")
-        if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-            return err(
-                "invalid_parameter", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
-            )
+        bad = check_sampling(p, V)  # the rules the gateway applies too (backend/sampling_rules.py)
+        if bad is not None:
+            return err("invalid_parameter", bad.message, bad.param)
+        if p.n > self.max_num_seqs:
+            return err("invalid_parameter", f"n must be at most {self.max_num_seqs}, got {p.n}", "n")
         total = len(ids) + p.max_tokens
         if total > self.context_length:
             return err(

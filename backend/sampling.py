@@ -40,8 +40,7 @@ import secrets
 import torch
 
 from backend.protocol import SamplingParams, TokenLogprob
-
-MAX_TOP_LOGPROBS = 20
+from backend.sampling_rules import MAX_TOP_LOGPROBS
 
 
 def choice_seed(seed: int | None, index: int) -> int:

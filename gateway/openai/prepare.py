@@ -22,15 +22,8 @@ from auth.principal import Principal
 from backend.protocol import SamplingParams
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.generation.request import GenerationRequest
-from gateway.openai.schemas import (
-    MAX_COMPLETION_LOGPROBS,
-    MAX_TOP_LOGPROBS,
-    ChatRequest,
-    CompletionRequest,
-    SamplingFields,
-    seed_to_backend,
-    validate_common,
-)
+from gateway.openai.schemas import ChatRequest, CompletionRequest, SamplingFields
+from gateway.openai.validation import validate_chat, validate_completion
 from gateway.state import Gateway
 from gateway.stops import normalize_stop
 from templating.errors import TemplateError
@@ -117,6 +110,16 @@ def sampling_params(
     )
 
 
+def seed_to_backend(seed: int | None) -> int | None:
+    """Map an accepted seed in [-2**63, 2**64-1] to a backend seed in [0, 2**63): ``seed mod 2**63``.
+
+    Negative seeds are therefore valid and deterministic (-2 -> 2**63 - 2); documented in docs/gateway.md.
+    """
+    if seed is None:
+        return None
+    return seed % (2**63)
+
+
 def _vocab_size(gw: Gateway) -> int:
     return gw.card.vocab_size or gw.tokenizer.vocab_size
 
@@ -170,30 +173,8 @@ async def prepare_chat(
     """
     card = gw.card
     model = gw.check_model(req.model)
-    max_param = "max_tokens"
-    if req.max_completion_tokens is not None:
-        max_param = "max_completion_tokens"
-        if req.max_completion_tokens < 1:
-            raise InvalidRequest(
-                "Invalid value for 'max_completion_tokens': must be >= 1.",
-                param="max_completion_tokens",
-                code="invalid_value",
-            )
-        req.max_tokens = req.max_completion_tokens
-    validate_common(req, vocab_size=_vocab_size(gw))
+    max_param = validate_chat(req, vocab_size=_vocab_size(gw))
     stops = normalize_stop(req.stop)
-    top = req.top_logprobs
-    if top is not None:
-        if top < 0 or top > MAX_TOP_LOGPROBS:
-            raise InvalidRequest(
-                f"Invalid value for 'top_logprobs': {top} (must be between 0 and {MAX_TOP_LOGPROBS}).",
-                param="top_logprobs",
-                code="invalid_value",
-            )
-        if top > 0 and not req.logprobs:
-            raise InvalidRequest(
-                "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs", code="invalid_value"
-            )
     messages = req.messages
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
@@ -217,7 +198,7 @@ async def prepare_chat(
         api=api,
         model=model,
         ids=ids,
-        sampling=sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=top or 0),
+        sampling=sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0),
         stops=stops,
         principal=principal,
         prompt_log=messages,
@@ -275,19 +256,9 @@ async def prepare_completion(
     """
     card = gw.card
     model = gw.check_model(req.model)
-    validate_common(req, vocab_size=_vocab_size(gw))
+    validate_completion(req, vocab_size=_vocab_size(gw))
     stops = normalize_stop(req.stop)
-    if req.echo:
-        raise InvalidRequest("'echo' is not supported.", param="echo", code="unsupported_parameter")
-    if req.suffix:
-        raise InvalidRequest("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
     lp = req.logprobs
-    if lp is not None and (lp < 0 or lp > MAX_COMPLETION_LOGPROBS):
-        raise InvalidRequest(
-            f"Invalid value for 'logprobs': {lp} (must be between 0 and {MAX_COMPLETION_LOGPROBS}).",
-            param="logprobs",
-            code="invalid_value",
-        )
     ids, prompt_log = await _completion_prompt(gw, req, principal)
     requested = 16 if req.max_tokens is None else req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, card.context_length, prompt_param="prompt")

@@ -3,7 +3,7 @@
 Requests are decoded straight into typed structs: a wrong JSON type becomes
 ``InvalidRequest`` (400) whose ``param`` is the JSON path msgspec reports
 (e.g. ``messages[0].role``); range checks follow in ``validate_*`` and name
-the parameter too. Unknown fields are ignored (as OpenAI does).
+the parameter too (``gateway.openai.validation``). Unknown fields are ignored (as OpenAI does).
 
 Responses (chunks, completions) are structs as well so that encoding a chunk
 is one ``msgspec.json`` call. ``ChunkChoice`` never omits ``finish_reason`` or
@@ -25,17 +25,6 @@ from typing import Any
 import msgspec
 
 from gateway.errors import InvalidRequest
-
-# ----------------------------------------------------------------------------- limits (documented in docs/gateway.md)
-
-MAX_N = 16
-MAX_STOPS = 16
-MAX_STOP_LEN = 512  # characters
-MAX_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5
-SEED_MIN = -(2**63)
-SEED_MAX = 2**64 - 1
-
 
 # ----------------------------------------------------------------------------- requests
 
@@ -132,111 +121,6 @@ def decode_completion(body: bytes) -> CompletionRequest:
     if not body.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.", code="invalid_json")
     return _decode(body, CompletionRequest)
-
-
-def _range(value: float | int | None, name: str, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    if value is None:
-        return
-    if value != value or (value <= lo if lo_open else value < lo) or value > hi:  # NaN fails too
-        lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise InvalidRequest(
-            f"Invalid value for '{name}': {value} (must be {lo_s} and <= {hi}).",
-            param=name,
-            code="invalid_value",
-        )
-
-
-def validate_common(req: SamplingFields, *, vocab_size: int) -> None:
-    """Range checks shared by both endpoints (each error names its parameter).
-
-    Raises:
-        InvalidRequest: n outside [1, 16]; temperature outside [0, 2]; top_p outside (0, 1];
-            top_k < -1; min_p outside [0, 1]; presence/frequency penalty outside [-2, 2];
-            repetition_penalty outside (0, 2]; logit_bias key not an id in [0, vocab) or value outside
-            [-100, 100]; seed outside [-2**63, 2**64-1]; max_tokens < 1; min_tokens < 0 or > max_tokens; stream_options without stream.
-    """
-    if req.n < 1 or req.n > MAX_N:
-        raise InvalidRequest(
-            f"Invalid value for 'n': {req.n} (must be between 1 and {MAX_N}).",
-            param="n",
-            code="invalid_value",
-        )
-    _range(req.temperature, "temperature", 0.0, 2.0)
-    _range(req.top_p, "top_p", 0.0, 1.0, lo_open=True)
-    if req.top_k is not None and req.top_k < -1:
-        raise InvalidRequest(
-            f"Invalid value for 'top_k': {req.top_k} (must be -1, 0 (disabled) or positive).",
-            param="top_k",
-            code="invalid_value",
-        )
-    _range(req.min_p, "min_p", 0.0, 1.0)
-    _range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    _range(req.repetition_penalty, "repetition_penalty", 0.0, 2.0, lo_open=True)
-    if req.logit_bias:
-        for key, val in req.logit_bias.items():
-            try:
-                tid = int(key)
-            except ValueError:
-                tid = -1
-            if tid < 0 or tid >= vocab_size or not key.strip().lstrip("-").isdigit():
-                raise InvalidRequest(
-                    f"Invalid key in 'logit_bias': {key!r} is not a token id in [0, {vocab_size}).",
-                    param="logit_bias",
-                    code="invalid_value",
-                )
-            if val != val or val < -100 or val > 100:
-                raise InvalidRequest(
-                    f"Invalid value in 'logit_bias' for token {key}: {val} (must be between -100 and 100).",
-                    param="logit_bias",
-                    code="invalid_value",
-                )
-    if req.seed is not None and not (SEED_MIN <= req.seed <= SEED_MAX):
-        raise InvalidRequest(
-            f"Invalid value for 'seed': must be an integer in [{SEED_MIN}, {SEED_MAX}].",
-            param="seed",
-            code="invalid_value",
-        )
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise InvalidRequest(
-            f"Invalid value for 'max_tokens': {req.max_tokens} (must be >= 1).",
-            param="max_tokens",
-            code="invalid_value",
-        )
-    if req.min_tokens < 0:
-        raise InvalidRequest(
-            "Invalid value for 'min_tokens': must be >= 0.", param="min_tokens", code="invalid_value"
-        )
-    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
-        raise InvalidRequest(
-            f"Invalid value for 'min_tokens': {req.min_tokens} is larger than max_tokens ({req.max_tokens}).",
-            param="min_tokens",
-            code="invalid_value",
-        )
-    if req.stream_options is not None and not req.stream:
-        raise InvalidRequest(
-            "The 'stream_options' parameter is only allowed when 'stream' is true.",
-            param="stream_options",
-            code="invalid_value",
-        )
-    if req.stop_token_ids:
-        for t in req.stop_token_ids:
-            if t < 0 or t >= vocab_size:
-                raise InvalidRequest(
-                    f"Invalid token id in 'stop_token_ids': {t}.",
-                    param="stop_token_ids",
-                    code="invalid_value",
-                )
-
-
-def seed_to_backend(seed: int | None) -> int | None:
-    """Map an accepted seed in [-2**63, 2**64-1] to a backend seed in [0, 2**63): ``seed mod 2**63``.
-
-    Negative seeds are therefore valid and deterministic (-2 -> 2**63 - 2); documented in docs/gateway.md.
-    """
-    if seed is None:
-        return None
-    return seed % (2**63)
 
 
 # ----------------------------------------------------------------------------- responses
