@@ -6,7 +6,7 @@ Routes (all declared in ``build_app``):
     GET  /health, /healthz, /readyz                   probes (gateway/probes.py; public)
     GET  /admin/v1/stats                              engine counters (admin key; gateway/probes.py)
     /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version   Ollama (gateway/ollama/)
-    GET  /metrics                                     Prometheus (gateway/metrics.py; public)
+    GET  /metrics                                     Prometheus (gateway/observability/metrics.py; public)
     /admin/v1/*, GET /v1/usage                        admin API and a tenant's own usage (gateway/admin/)
     GET  /openapi.json                                the generated OpenAPI document (gateway/openapi.py)
     GET  /, /static/*                                 the playground (gateway/playground.py; public)
@@ -41,13 +41,14 @@ from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send
 from gateway.middleware.auth import AuthMiddleware
 from gateway.middleware.cors import CORSMiddleware
 from gateway.middleware.drain import DrainGate
+from gateway.observability.middleware import ObservabilityMiddleware
+from gateway.observability.record import get_record
 from gateway.ollama.routes import OllamaAPI
 from gateway.openai.models import list_models, retrieve_model
 from gateway.openai.routes import chat_completions, completions
 from gateway.openapi import openapi_routes
 from gateway.playground import playground_routes
 from gateway.probes import admin_stats, health, healthz, readyz
-from gateway.request_log import ObservabilityMiddleware, get_record
 from gateway.state import Gateway
 
 log = logging.getLogger("gateway")
@@ -68,12 +69,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         err: APIError = NotFound(f"Unknown route: {request.method} {request.url.path}", code="unknown_route")
     else:
         err = APIError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
+    get_record(request).set_error(err.type, err.code)
     return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}) or None)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     err = InternalError("The server had an error while processing your request.")
+    get_record(request).set_error(err.type, err.code)
     return JSONResponse(err.body(), status_code=500)
 
 

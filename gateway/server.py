@@ -35,8 +35,8 @@ from gateway.app import build_app
 from gateway.backends.pool import BackendPool
 from gateway.backends.supervisor import BackendSupervisor, SpawnSpec
 from gateway.filters import TenantFilters
-from gateway.metrics import GatewayMetrics
-from gateway.request_log import configure_access_log
+from gateway.observability.access_log import configure_access_log
+from gateway.observability.metrics import GatewayMetrics
 from gateway.settings import Settings, SettingsError, configure_logging, engine_argv, load_settings
 from gateway.state import Gateway
 from gateway.tenants import Tenants

@@ -20,7 +20,7 @@ from gateway.backends.pool import BackendPool
 from gateway.error_map import api_error
 from gateway.errors import NotFound, ServiceUnavailable
 from gateway.filters import TenantFilters
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.tenants import Tenants
 from ratelimit.reservation import Reservation

@@ -19,7 +19,7 @@ import httpx
 import ollama
 import pytest
 
-from gateway.metrics import parse_exposition, sample_sum
+from gateway.observability.exposition import parse_exposition, sample_sum
 
 pytestmark = pytest.mark.slow
 

@@ -22,10 +22,10 @@ from backend.protocol import ModelCard, SamplingParams
 from gateway.errors import APIError, AuthenticationError, RateLimited
 from gateway.generation.events import ChoiceFinished, Completed, Ended, Heartbeat, Started, TextDelta
 from gateway.generation.request import GenerationRequest
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.middleware import ObservabilityMiddleware
 from gateway.ollama.routes import OllamaAPI
 from gateway.ollama.translate import Options, parse_options, to_chat_request
-from gateway.request_log import ObservabilityMiddleware
 from gateway.settings import HTTPSettings
 
 KEY = "sk-ollama-test"

@@ -1,8 +1,7 @@
-"""Unit-level tests of gateway/metrics.py and gateway/request_log.py (no backend, no subprocess).
+"""Unit-level tests of gateway/observability/ (metrics, the request record, the middleware; no backend).
 
-A small real Starlette app stands in for the request pipeline: its handlers
-call the same ``RequestRecord`` hooks the gateway pipeline calls, with real
-``backend.protocol`` messages.
+A small real Starlette app stands in for the request pipeline: its handlers feed the request's
+``RecordObserver`` the same typed events a generation run emits (``gateway.generation.events``).
 """
 
 from __future__ import annotations
@@ -18,80 +17,103 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from backend.protocol import Stats, Timings, Usage
+from backend.protocol import SamplingParams, Stats
+from gateway.app import _api_error
 from gateway.errors import APIError, ContentFiltered, RateLimited
-from gateway.metrics import GatewayMetrics, parse_exposition, sample_sum
-from gateway.request_log import ACCESS_LOGGER_NAME, ObservabilityMiddleware, get_record, valid_request_id
+from gateway.generation.events import ChoiceFinished, Ended, TextDelta
+from gateway.generation.request import GenerationRequest
+from gateway.observability.access_log import ACCESS_LOGGER_NAME
+from gateway.observability.exposition import parse_exposition, sample_sum
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.middleware import ObservabilityMiddleware, valid_request_id
+from gateway.observability.record import RecordObserver, get_record
 
 SECRET_KEY = "sk-test-UNIQUEKEY-9f8e7d6c5b4a"
 PROMPT = "zebra-quasar-lighthouse distinctive prompt"
 
 
+def ns(queue: float = 0.0, prefill: float = 0.0, decode: float = 0.0, ttft: float = 0.0) -> dict[str, int]:
+    """Backend phases (seconds) as a run's timings (ns, Ollama names)."""
+    return {
+        "queue_duration": int(queue * 1e9),
+        "prompt_eval_duration": int(prefill * 1e9),
+        "eval_duration": int(decode * 1e9),
+        "backend_ttft_duration": int(ttft * 1e9),
+    }
+
+
+def observer(request: Request, *, prompt: object = None, stream: bool = False) -> RecordObserver:
+    req = GenerationRequest(
+        request_id="r",
+        api="openai",
+        model="m",
+        prompt_ids=[1],
+        sampling=SamplingParams(),
+        stream=stream,
+        prompt_log=prompt,
+    )
+    return RecordObserver(get_record(request), req)
+
+
+async def tokens(obs: RecordObserver, n: int, text: str | None = None) -> None:
+    for i in range(n):
+        await obs.emit(TextDelta(index=0, text=f"tok{i} " if text is None else text, tokens=1))
+
+
+async def finish(obs: RecordObserver, reason: str, timings: dict[str, int], **ended: object) -> None:
+    await obs.emit(ChoiceFinished(index=0, reason=reason, completion_tokens=0, timings=timings))  # type: ignore[arg-type]
+    await obs.emit(Ended(status=200, reason=reason, submitted=True, timings=timings, **ended))  # type: ignore[arg-type]
+
+
 def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
     async def chat(request: Request):
         body = await request.json()
-        rec = get_record(request)
-        rec.api = "openai"
-        rec.tenant = body.get("tenant", "t1")
-        rec.model = "m"
-        rec.stream = bool(body.get("stream"))
-        rec.set_prompt(body["messages"])
+        obs = observer(request, prompt=body["messages"], stream=bool(body.get("stream")))
+        get_record(request).tenant = body.get("tenant", "t1")
         if body.get("rate_limit"):
             raise RateLimited("slow down", type=body["rate_limit"], code="rate_limit_exceeded")
         if body.get("filter"):
             raise ContentFiltered("blocked", result={"hate": {"filtered": True}})
-        rec.on_submit()
         n = int(body.get("n_tokens", 3))
-        for i in range(n):
-            rec.on_tokens(1, text=f"tok{i} ")
-        reason = body.get("finish", "length")
-        rec.on_finish(
-            reason,
-            Usage(prompt_tokens=7, completion_tokens=n, cached_tokens=body.get("cached", 0)),
-            Timings(queue=0.001, prefill=0.002, decode=0.003, ttft=0.003, preemptions=body.get("preempt", 0)),
+        await tokens(obs, n)
+        timings = ns(queue=0.001, prefill=0.002, decode=0.003, ttft=0.003)
+        await finish(
+            obs,
+            body.get("finish", "length"),
+            timings,
+            prompt_tokens=7,
+            completion_tokens=n,
+            cached_tokens=body.get("cached", 0),
+            preemptions=body.get("preempt", 0),
         )
         return JSONResponse({"ok": True})
 
     async def abort(request: Request):
-        rec = get_record(request)
-        rec.model = "m"
-        rec.on_submit()
-        rec.on_tokens(1)
-        rec.on_tokens(1)
-        # the client "goes away": the handler returns without a finish from the backend
+        obs = observer(request)
+        await tokens(obs, 2)
+        # the client "goes away": the run ends as cancelled, before the backend finished the request
+        await obs.emit(Ended(status=499, reason="abort", submitted=True, completion_tokens=2))
         return PlainTextResponse("partial")
 
     async def boom(request: Request):
-        get_record(request).on_submit()
         raise RuntimeError("boom")
 
-    async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
     async def stream(request: Request):
-        rec = get_record(request)
-        rec.model = "m"
-        rec.on_submit()
+        obs = observer(request, stream=True)
 
         async def gen():
             for _ in range(4):
-                rec.on_tokens(1, text="x")
+                await tokens(obs, 1, text="x")
                 yield b"data: x\n\n"
-            rec.on_finish(
-                "stop",
-                Usage(prompt_tokens=5, completion_tokens=4),
-                Timings(queue=0.0, prefill=0.001, decode=0.002),
-            )
+            await finish(obs, "stop", ns(prefill=0.001, decode=0.002), prompt_tokens=5, completion_tokens=4)
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     async def cut(request: Request):
-        """An output filter cut the response after one token (the backend finished it as "length")."""
-        rec = get_record(request)
-        rec.model = "m"
-        rec.on_submit(5)
-        rec.on_tokens(1, text="x")
-        rec.on_finish("length", Usage(prompt_tokens=5, completion_tokens=1), Timings(prefill=0.001))
+        """An output filter cut the response after one token: the run ends it as "content_filter"."""
+        obs = observer(request)
+        await tokens(obs, 1, text="x")
+        await finish(obs, "content_filter", ns(prefill=0.001), prompt_tokens=5, completion_tokens=1)
         return JSONResponse(
             {"choices": [{"index": 0, "message": {"content": ""}, "finish_reason": "content_filter"}]}
         )
@@ -105,7 +127,7 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
             Route("/cut", cut),
             Route("/metrics", metrics.endpoint),
         ],
-        exception_handlers={APIError: api_error},
+        exception_handlers={APIError: _api_error},
     )
     return ObservabilityMiddleware(app, metrics, log_content=log_content)
 

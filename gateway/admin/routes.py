@@ -50,6 +50,7 @@ from gateway.admin.schemas import (
 from gateway.admin.times import expiry, parse_time
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.filters import parse_config
+from gateway.observability.record import get_record
 from gateway.tenants import Tenants
 from ratelimit.core import DEFAULT_WINDOW_S, LIMIT_FIELDS, Limits
 
@@ -144,6 +145,7 @@ class AdminAPI:
                 await self.tenants.require_admin(request.scope)
                 return await fn(request)
             except APIError as e:
+                get_record(request).set_error(e.type, e.code)
                 return error_reply(e)
 
         endpoint.__name__, endpoint.__doc__ = fn.__name__, fn.__doc__
@@ -323,6 +325,7 @@ def usage_routes(tenants: Tenants) -> list[BaseRoute]:
             principal = await tenants.principal(request.scope)
             return reply(await usage(tenants, principal.tenant_id, request))
         except APIError as e:
+            get_record(request).set_error(e.type, e.code)
             return error_reply(e)
 
     return [Route("/v1/usage", my_usage, methods=["GET"])]

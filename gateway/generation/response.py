@@ -21,7 +21,7 @@ from gateway.generation.events import Event, EventSink
 from gateway.generation.request import GenerationRequest
 from gateway.generation.run import run_generation
 from gateway.generation.tee import Tee
-from gateway.request_log import RecordObserver, RequestRecord
+from gateway.observability.record import RecordObserver, RequestRecord
 from gateway.state import Gateway
 from gateway.streaming import CallResponse, ResponseWriter
 

@@ -145,24 +145,25 @@ class _Run:
         return admit(req.request_id) if admit is not None else _no_admission()
 
     async def run(self) -> None:
-        status = 500
-        error: APIError | None = None
-        async with self._admission() as res:
-            try:
-                await self._generate(res.headers if res is not None else {})
-                status = 200
-            except APIError as exc:
-                status, error = exc.status, exc
-                raise
-            except trio.Cancelled:
-                status = 499  # the client went away
-                raise
-            finally:
-                with trio.CancelScope(shield=True):
-                    ended = self._ended(status, error)
-                    if res is not None:
+        ended: Ended | None = None
+        try:
+            async with self._admission() as res:
+                try:
+                    await self._generate(res.headers if res is not None else {})
+                    ended = self._ended(200, None)
+                except BaseException as exc:
+                    ended = self._ended_by(exc)
+                    raise
+                finally:
+                    if res is not None and ended is not None:  # synchronous: nothing can cancel it
                         self._bill(res, ended)
-                    await self.sink.emit(ended)
+        except BaseException as exc:
+            if ended is None:  # refused at admission (429, 503)
+                ended = self._ended_by(exc)
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.sink.emit(ended or self._ended(500, None))
 
     async def _next(self, handle: RequestHandle) -> RequestOutput | None | _Nothing:
         """The next output (None: the backend ended the request), or NOTHING after ``heartbeat_s``."""
@@ -243,6 +244,13 @@ class _Run:
             )
 
     # ------------------------------------------------------------------ cleanup
+    def _ended_by(self, exc: BaseException) -> Ended:
+        """The outcome of a run that ``exc`` ended: 499 when the client went away (trio.Cancelled), the
+        error's status for an ``APIError``, else 500."""
+        if isinstance(exc, APIError):
+            return self._ended(exc.status, exc)
+        return self._ended(499 if isinstance(exc, trio.Cancelled) else 500, None)
+
     def _ended(self, status: int, error: APIError | None) -> Ended:
         submitted = self.t_submit is not None
         return Ended(

@@ -19,6 +19,7 @@ import json
 from auth.credentials import QUERY_KEY_MESSAGE, query_has_key, redact_query
 from gateway.errors import APIError, AuthenticationError
 from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
+from gateway.observability.record import get_record
 from gateway.tenants import Tenants
 
 # Exactly what the gateway serves without a key (the playground is GET / and /static/*; /metrics:
@@ -124,6 +125,7 @@ class AuthMiddleware:
             elif kind == "tenant":
                 state["principal"] = await self.tenants.authenticate(headers)
         except APIError as e:
+            get_record(scope).set_error(e.type, e.code)
             await send_error(send, e)
             return
         if kind != "tenant" or not self.rate_limit_headers:

@@ -23,12 +23,12 @@ from starlette.routing import Route
 
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.generation.response import Renderer, generation_response
+from gateway.observability.record import get_record
 from gateway.ollama import models
 from gateway.ollama.render import Kind, error_response, piece, renderer
 from gateway.ollama.translate import load_only, model_name, to_chat_request, unloads
 from gateway.openai.prepare import prepare_chat
 from gateway.request_body import decode_json, read_body
-from gateway.request_log import get_record
 from gateway.state import Gateway
 from gateway.streaming import CallResponse, ResponseWriter
 

@@ -16,12 +16,12 @@ from functools import partial
 from starlette.requests import Request
 
 from gateway.generation.response import generation_response
+from gateway.observability.record import get_record
 from gateway.openai.body import ChatBody, CompletionBody
 from gateway.openai.prepare import prepare_chat, prepare_completion
 from gateway.openai.schemas import decode_chat, decode_completion
 from gateway.openai.stream import ChatStream, CompletionStream
 from gateway.request_body import read_body
-from gateway.request_log import get_record
 from gateway.state import Gateway
 from gateway.streaming import CallResponse
 

@@ -12,7 +12,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from gateway.admin.schemas import KeyCreate, LimitsPatch, LimitsPut, TenantCreate
 from gateway.app import build_app
 from gateway.backends.pool import BackendPool
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.openai.schemas import ChatRequest, CompletionRequest
 from gateway.openapi import ROUTES, error_statuses, openapi_spec
 from gateway.settings import Settings
