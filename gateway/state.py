@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TypeVar
 
 import trio
 from starlette.requests import Request
@@ -19,12 +19,14 @@ from backend.protocol import ModelCard
 from gateway.backends.pool import BackendPool
 from gateway.error_map import api_error
 from gateway.errors import NotFound, ServiceUnavailable
-from gateway.filters import TenantFilters
+from gateway.filters import OutputFilter, TenantFilters
 from gateway.observability.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.tenants import Tenants
 from ratelimit.reservation import Reservation
 from templating import ChatTemplate, TextTokenizer
+
+T = TypeVar("T")
 
 
 class Gateway:
@@ -53,7 +55,7 @@ class Gateway:
         self._token_str: dict[int, str] = {}
         self._tok_limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
 
-    async def tokenize(self, fn: Any, chars: int) -> Any:
+    async def tokenize(self, fn: Callable[[], T], chars: int) -> T:
         """Run ``fn`` (templating/tokenizing, CPU-bound) inline for short prompts, else in a worker thread
         (at most ``cpu_count`` at once). Exceptions (``InvalidRequest``...) propagate unchanged."""
         limit = self.config.thread_tokenize_chars
@@ -122,13 +124,13 @@ class Gateway:
             principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=rid
         )
 
-    def output_filter(self, principal: Any) -> Any:
-        """``factory()`` -> a per-choice output filter for this tenant, or None (no output-stage hook)."""
-        if self.filters is None:
+    def output_filter(self, principal: Principal | None) -> Callable[[], OutputFilter | None] | None:
+        """``factory()`` -> a fresh output filter for one choice of this tenant, or None when the tenant has
+        no output-stage hook (nothing held back)."""
+        filters = self.filters
+        if filters is None or filters.output_filter(principal) is None:
             return None
-        if self.filters.output_filter(principal) is None:
-            return None
-        return lambda: self.filters.output_filter(principal)
+        return lambda: filters.output_filter(principal)
 
     async def check_admin(self, request: Request) -> None:
         """Pass only the admin key (the auth middleware's verdict when it ran). Raises ``AuthenticationError``

@@ -20,13 +20,16 @@ at once. Headers: ``Cache-Control: no-cache`` and ``X-Accel-Buffering: no``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 import trio
 
-from gateway.errors import APIError
+from gateway.errors import APIError, InternalError
+from gateway.middleware.asgi import Message, Receive, Scope, Send
+
+log = logging.getLogger("gateway")
 
 SSE_HEADERS: list[tuple[bytes, bytes]] = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -48,13 +51,13 @@ class ResponseWriter:
 
     __slots__ = ("_send", "started", "finished", "status")
 
-    def __init__(self, send: Callable[[dict], Awaitable[None]]) -> None:
+    def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False  # response headers sent
         self.finished = False
         self.status: int | None = None
 
-    async def json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+    async def json(self, status: int, body: object, headers: dict[str, str] | None = None) -> None:
         """Send a complete JSON response (``body`` is bytes or a msgspec-encodable object)."""
         data = body if isinstance(body, (bytes, bytearray)) else _json.encode(body)
         self.started = True
@@ -126,7 +129,7 @@ class CallResponse:
         self.produce = produce
         self.disconnected = False
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = ResponseWriter(send)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch, receive, nursery.cancel_scope)
@@ -135,11 +138,7 @@ class CallResponse:
             except APIError as exc:
                 await writer.error(exc)
             except Exception:  # noqa: BLE001 - never leave a client hanging
-                import logging
-
-                logging.getLogger("gateway").exception("generation failed")
-                from gateway.errors import InternalError
-
+                log.exception("generation failed")
                 await writer.error(InternalError("The server had an error while processing your request."))
             finally:
                 nursery.cancel_scope.cancel()
@@ -148,9 +147,9 @@ class CallResponse:
             if writer.started:
                 await writer.done()
 
-    async def _watch(self, receive: Callable, scope: trio.CancelScope) -> None:
+    async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
         while True:
-            msg = await receive()
+            msg: Message = await receive()
             if msg["type"] == "http.disconnect":
                 self.disconnected = True
                 scope.cancel()
