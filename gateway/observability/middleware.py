@@ -14,7 +14,6 @@ import logging
 import re
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from auth.principal import Principal
 from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
@@ -77,12 +76,6 @@ class ObservabilityMiddleware:
             known_paths = [getattr(r, "path", None) for r in getattr(app, "routes", []) or []]
         self._known_paths = {p for p in known_paths if p}
         self.skip_log_paths = set(skip_log_paths)
-
-    def __getattr__(self, name: str) -> Any:
-        # Transparent wrapper: ``.state``, ``.routes``, ``.router``... are the wrapped app's.
-        if name == "app":
-            raise AttributeError(name)
-        return getattr(self.app, name)
 
     def route_label(self, path: str) -> str:
         """``path`` if it is a known route, else ``"other"``."""

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import msgspec
+from starlette.requests import HTTPConnection
 
 from gateway.generation.events import ChoiceFinished, Ended, Event, TextDelta
 from gateway.generation.request import GenerationRequest
@@ -238,7 +239,7 @@ class RecordObserver:
             logging.getLogger("gateway.observability").exception("request record update failed")
 
 
-def get_record(request_or_scope: Any) -> RequestRecord:
+def get_record(request_or_scope: HTTPConnection | dict[str, Any]) -> RequestRecord:
     """The ``RequestRecord`` of a Starlette ``Request`` (or ASGI scope dict).
 
     Outside the middleware (e.g. a unit test calling a handler directly) a detached record is created and
