@@ -17,6 +17,8 @@ client raises ``ollama.ResponseError(error, status_code)``); an error after stre
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -71,7 +73,7 @@ class OllamaAPI:
         try:
             principal = await gw.authenticate(request)
             body = decode_json(await read_body(request, gw.config.max_body_bytes))
-            if load_only(body, kind):
+            if isinstance(body, dict) and load_only(body, kind):
                 return self._load(body, kind)
             chat = to_chat_request(body, kind)
             req = await prepare_chat(gw, chat, principal=principal, api="ollama", t_arrival=rec.t_arrival)
@@ -84,9 +86,8 @@ class OllamaAPI:
 
         return generation_response(gw, req, render, rec)
 
-    def _load(self, body: object, kind: Kind) -> Response:
+    def _load(self, body: dict[str, Any], kind: Kind) -> Response:
         """Ollama's answer to a load-only request (``translate.load_only``): done, nothing generated."""
-        assert isinstance(body, dict)  # load_only is false for anything else
         model = model_name(body)
         self._check_model(model)
         obj = piece(kind, model, "", True)

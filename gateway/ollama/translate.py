@@ -108,11 +108,9 @@ def _refuse_unsupported(body: dict[str, Any], kind: Kind) -> None:
             raise InvalidRequest(f"'{key}' is not supported by this gateway's Ollama API", param=key)
 
 
-def load_only(body: object, kind: Kind) -> bool:
+def load_only(body: dict[str, Any], kind: Kind) -> bool:
     """Whether ``body`` asks for no generation: Ollama only loads the model for an empty prompt (and no
     system) or an empty message list, and unloads it with ``keep_alive`` 0."""
-    if not isinstance(body, dict):
-        return False
     if kind == "chat":
         return not body.get("messages")
     return not body.get("prompt") and not body.get("system")
