@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # System packages the test suite runs for real, installed from Debian's archive when missing:
-#   redis-server  shared rate limits across gateway processes (tests/test_tenancy_redis.py, test_tenancy_e2e.py)
-#   chromium      the playground in a headless browser, driven by Playwright (tests/test_browser_playground.py)
-#   nginx-light   SSE through a buffering reverse proxy (tests/test_filters_http.py)
+#   redis-server  shared rate limits across gateway processes (tests/unit/ratelimit/test_redis_limiter.py, tests/e2e/test_tenancy_e2e.py)
+#   chromium      the playground in a headless browser, driven by Playwright (tests/e2e/test_browser_playground.py)
+#   nginx-light   SSE through a buffering reverse proxy (tests/e2e/test_filters_http.py)
 #
 # Works as root, or as a user with sudo (sudo may ask for a password once). Non-interactive (no debconf
 # prompts) and safe to run again: with everything present it prints one line and exits 0.

@@ -4,7 +4,7 @@ The default model cannot travel to the GPU machine (98 MB), so these tests build
 ``LlamaForCausalLM`` directory and compare ``ModelRunner.execute`` on CUDA (float32 and bfloat16)
 with the CPU float32 run, including chunked prefill and a mixed decode/prefill batch.
 
-Run: ``python -m pytest tests/test_model_cuda.py`` on a CUDA machine.
+Run: ``python -m pytest tests/unit/backend/test_model_cuda.py`` on a CUDA machine.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from plugins.gateway_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ORIGIN = "http://127.0.0.1:1"  # any foreign origin
 
 

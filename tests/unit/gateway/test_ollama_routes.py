@@ -3,7 +3,7 @@
 The real routes, translation, renderers, ``generation_response`` plumbing and observability middleware run;
 only ``prepare_chat`` (recording the ``ChatRequest`` the translation built) and ``run_generation`` (pushing
 the events a real run pushes, or raising its 429) are stand-ins, so no backend is needed. The end-to-end
-test against the real gateway is tests/test_observability_e2e.py.
+test against the real gateway is tests/e2e/test_observability_http.py.
 """
 
 from __future__ import annotations

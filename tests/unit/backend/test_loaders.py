@@ -1,6 +1,6 @@
 """Loaders: HF directory == GGUF (real weights), Q/K permutation round trip, llama3 RoPE in both formats.
 
-Run: ``.venv/bin/python -m pytest tests/test_model_loaders.py``.
+Run: ``.venv/bin/python -m pytest tests/unit/backend/test_loaders.py``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 
 from backend import protocol as P
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 
 

@@ -5,7 +5,7 @@
 - the same prompt as one prefill, as chunks of 7 tokens, and with a shuffled block table: same logits;
 - a batch mixing decodes and prefill chunks of different lengths: each sequence's logits as when alone.
 
-Run: ``.venv/bin/python -m pytest tests/test_model_logits.py``.
+Run: ``.venv/bin/python -m pytest tests/unit/backend/test_model_logits.py``.
 """
 
 from __future__ import annotations
