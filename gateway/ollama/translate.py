@@ -14,9 +14,10 @@ in OpenAI/vLLM; num_predict -> max_tokens (negative: no limit given); repeat_pen
 defaults (e.g. temperature 0.8) are not applied: unset options take the /v1 defaults.
 
 Refused with 400 (``InvalidRequest``, ``param`` named): a body that is not an object, a missing ``model``,
-wrong types, images, and the features this gateway does not implement: ``tools``, ``format`` (chat) and
-``raw``, ``template``, ``suffix``, ``images``, ``format`` (generate). ``context`` and ``keep_alive`` are
-ignored (``keep_alive`` only names the answer to a load-only request: see ``load_only``).
+wrong types, images, and the features this gateway does not implement: ``tools``, ``format``, ``think``
+(chat) and ``raw``, ``template``, ``suffix``, ``images``, ``format``, ``context`` (a previous answer's
+token context: not returned, so not accepted), ``think`` (generate). ``keep_alive`` is ignored (it only
+names the answer to a load-only request: see ``load_only``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ Kind = Literal["chat", "generate"]
 _FLOAT_OPTIONS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
 _INT_OPTIONS = ("top_k", "seed", "num_predict")
 _UNSUPPORTED: dict[Kind, tuple[str, ...]] = {
-    "chat": ("tools", "format"),
-    "generate": ("raw", "template", "suffix", "images", "format"),
+    "chat": ("tools", "format", "think"),
+    "generate": ("raw", "template", "suffix", "images", "format", "context", "think"),
 }
 
 

@@ -65,6 +65,13 @@ class ChatRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    # Decoded so that a request using them gets a 400 (``validate_chat``) instead of being answered as if
+    # they were absent: tool calls and structured output are not served yet.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -72,6 +79,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
 
 _PATH_RE = re.compile(r"at `\$\.?(.*)`")

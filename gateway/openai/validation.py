@@ -89,6 +89,7 @@ def validate_chat(req: ChatRequest, *, vocab_size: int) -> str:
     Raises:
         InvalidRequest: as ``validate_sampling``; top_logprobs outside [0, 20] or without logprobs.
     """
+    _refuse_unserved(req)
     max_param = "max_tokens"
     if req.max_completion_tokens is not None:
         max_param = "max_completion_tokens"
@@ -103,6 +104,27 @@ def validate_chat(req: ChatRequest, *, vocab_size: int) -> str:
     return max_param
 
 
+def _unsupported(param: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"'{param}' is not supported: {what}.", param=param, code="unsupported_parameter")
+
+
+def _refuse_unserved(req: ChatRequest) -> None:
+    """Tool calls and structured output are not served: a request asking for them is a 400
+    ``unsupported_parameter`` naming the field, never a plain-text answer as if it were absent. Values that
+    ask for nothing pass: ``tool_choice``/``function_call`` "none", ``response_format`` of type "text"."""
+    if req.tools:
+        raise _unsupported("tools", "this server does not call tools")
+    if req.functions:
+        raise _unsupported("functions", "this server does not call functions")
+    if req.tool_choice is not None and req.tool_choice != "none":
+        raise _unsupported("tool_choice", "this server does not call tools")
+    if req.function_call is not None and req.function_call != "none":
+        raise _unsupported("function_call", "this server does not call functions")
+    rf = req.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        raise _unsupported("response_format", f"type {str(rf.get('type'))[:40]!r} (only 'text' is served)")
+
+
 def validate_completion(req: CompletionRequest, *, vocab_size: int) -> None:
     """Checks of /v1/completions (legacy).
 
@@ -115,4 +137,6 @@ def validate_completion(req: CompletionRequest, *, vocab_size: int) -> None:
         raise InvalidRequest("'echo' is not supported.", param="echo", code="unsupported_parameter")
     if req.suffix:
         raise InvalidRequest("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
+    if req.best_of is not None and req.best_of != 1:
+        raise _unsupported("best_of", "only 1 is served (use n for several choices)")
     _raise(check_top_logprobs(req.logprobs, param="logprobs", most=MAX_COMPLETION_LOGPROBS))
