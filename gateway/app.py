@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -37,7 +38,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 from gateway.admin.routes import admin_routes, usage_routes
 from gateway.errors import APIError, InternalError, NotFound
-from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send
+from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
 from gateway.middleware.auth import AuthMiddleware
 from gateway.middleware.cors import CORSMiddleware
 from gateway.middleware.drain import DrainGate
@@ -90,7 +91,29 @@ class GatewayApp:
     starlette: Starlette
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.asgi(scope, receive, send)
+        await self.asgi(scope, receive, _closing_safe(send))
+
+
+def _closing_safe(send: Send) -> Send:
+    """``send`` that drops what is left of a response once the server is closing its connection.
+
+    hypercorn's trio server shuts the socket's write side (``send_eof``, outside its send lock) when the
+    client closes while a response is still being written, e.g. a 413 to a client that stops sending an
+    oversized body; the response's next write then raises ``trio.BusyResourceError`` or
+    ``trio.BrokenResourceError``. The client is gone: that is a disconnect, not a server fault, so the rest
+    is dropped instead of failing the request as a 500."""
+    closing = False
+
+    async def guarded(message: Message) -> None:
+        nonlocal closing
+        if closing:
+            return
+        try:
+            await send(message)
+        except (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError):
+            closing = True
+
+    return guarded
 
 
 def build_app(gw: Gateway) -> GatewayApp:

@@ -103,3 +103,26 @@ def test_a_body_that_is_not_an_object_is_400(gateway, path):
     r = _post(gateway, path, b"[1, 2]")
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "invalid_request_error"
+
+
+def test_413_to_a_client_that_closes_is_not_a_server_error(gateway):
+    """A client announcing an oversized body, reading the 413 and closing at once races hypercorn's close
+    of the connection with the end of the response: that is a disconnect, never an unhandled error in the
+    log (nor a ``server_error`` access-log line)."""
+    import socket
+
+    key = gateway.headers()["Authorization"]
+    head = (
+        "POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: {key}\r\nContent-Length: 99999999\r\n\r\n{{}}"
+    ).encode()
+    start = gateway.log_path.stat().st_size
+    for _ in range(30):
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as s:
+            s.sendall(head)
+            assert s.recv(65536).startswith(b"HTTP/1.1 413")
+    with open(gateway.log_path, "rb") as f:
+        f.seek(start)
+        log = f.read().decode(errors="replace")
+    assert "unhandled error" not in log and "BusyResourceError" not in log, gateway.log_tail()
+    assert httpx.get(gateway.base_url + "/health", timeout=10).status_code == 200
