@@ -71,7 +71,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         err = APIError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
     get_record(request).set_error(err.type, err.code)
-    return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}) or None)
+    body = err.body_for(request.url.path)
+    return JSONResponse(body, status_code=err.status, headers=dict(exc.headers or {}) or None)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

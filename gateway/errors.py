@@ -63,6 +63,15 @@ class APIError(Exception):
         err.update(self.extra)
         return {"error": err}
 
+    def ollama_body(self) -> dict[str, Any]:
+        """The Ollama API's shape ``{"error": message, "type", "code"}`` (Ollama clients read ``error`` as a
+        string: ollama/docs/api.md, "Errors")."""
+        return {"error": self.message, "type": self.type, "code": self.code}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body for a request to ``path``: Ollama's shape under ``/api/``, else OpenAI's."""
+        return self.ollama_body() if path.startswith("/api/") else self.body()
+
 
 class InvalidRequest(APIError):
     """400: malformed JSON, wrong types, out-of-range values (``param`` names the field)."""

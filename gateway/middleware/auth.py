@@ -72,9 +72,9 @@ def classify_path(
     return "public" if public(path) and public(norm) else "tenant"
 
 
-async def send_error(send: Send, e: APIError) -> None:
-    """Send an APIError as a complete JSON response on a raw ASGI ``send``."""
-    body = json.dumps(e.body()).encode()
+async def send_error(send: Send, e: APIError, path: str = "") -> None:
+    """Send an APIError as a complete JSON response on a raw ASGI ``send`` (Ollama's shape under /api/)."""
+    body = json.dumps(e.body_for(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in e.headers.items()]
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
@@ -126,7 +126,7 @@ class AuthMiddleware:
                 state["principal"] = await self.tenants.authenticate(headers)
         except APIError as e:
             get_record(scope).set_error(e.type, e.code)
-            await send_error(send, e)
+            await send_error(send, e, scope.get("path", ""))
             return
         if kind != "tenant" or not self.rate_limit_headers:
             await self.app(scope, receive, send)

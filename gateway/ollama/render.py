@@ -61,7 +61,7 @@ def now_rfc3339() -> str:
 
 def error_body(exc: APIError) -> dict[str, Any]:
     """``exc`` in Ollama's shape: ``{"error": message, "type", "code"}`` (the client reads ``error``)."""
-    return {"error": exc.message, "type": exc.type, "code": exc.code}
+    return exc.ollama_body()
 
 
 def error_response(exc: APIError) -> Response:

@@ -126,3 +126,25 @@ def test_413_to_a_client_that_closes_is_not_a_server_error(gateway):
         log = f.read().decode(errors="replace")
     assert "unhandled error" not in log and "BusyResourceError" not in log, gateway.log_tail()
     assert httpx.get(gateway.base_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "method, path, headers, status",
+    [
+        ("POST", "/api/chat", {}, 401),
+        ("POST", "/api/chat", {"Authorization": "Bearer sk-wrong"}, 401),
+        ("GET", "/api/tags", {}, 401),
+        ("GET", "/api/chat", None, 405),
+        ("GET", "/api/nonexistent", None, 404),
+    ],
+)
+def test_ollama_routes_answer_errors_in_ollama_shape(gateway, method, path, headers, status):
+    """Errors raised before an Ollama handler runs (auth, unknown route, wrong method) are in Ollama's
+    shape too: ``{"error": "<message>"}``, which Ollama clients read as a string."""
+    hdrs = gateway.headers() if headers is None else headers
+    r = httpx.request(method, gateway.base_url + path, headers=hdrs, timeout=30)
+    assert r.status_code == status, r.text
+    assert isinstance(r.json()["error"], str) and r.json()["error"], r.text
+    with pytest.raises(ollama.ResponseError) as ei:
+        ollama.Client(host=gateway.base_url, headers={"Authorization": "Bearer sk-wrong"}).list()
+    assert ei.value.status_code == 401 and "API key" in ei.value.error
