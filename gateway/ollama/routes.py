@@ -122,19 +122,20 @@ class OllamaAPI:
         return JSONResponse({"version": OLLAMA_VERSION})
 
     async def show(self, request: Request) -> Response:
-        """POST /api/show {"model"} (Ollama "Show Model Information"); 404 for a name not served."""
+        """POST /api/show {"model"} (Ollama "Show Model Information"); 400 for a body without a model name
+        (invalid JSON, not an object, ``model`` missing or not a string), 404 for a name not served."""
         if (refused := await self._refused(request)) is not None:
             return refused
         try:
             body = decode_json(await read_body(request, self.gw.config.max_body_bytes))
-        except InvalidRequest:
-            body = None  # answered as an unknown model, as before
+            name = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
+            if not isinstance(name, str) or not name:
+                raise InvalidRequest("model is required (a non-empty string)", param="model")
         except APIError as exc:
             get_record(request).set_error(exc.type, exc.code)
             return error_response(exc)
-        name = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
         card = self.gw.pool.card
-        if not name or card is None or name != card.name:
-            exc = NotFound(f"model '{name}' not found", code="model_not_found")
+        if card is None or name != card.name:
+            exc = NotFound(f"model '{name[:200]}' not found", code="model_not_found")
             return error_response(exc)
         return JSONResponse(models.show(card))

@@ -148,3 +148,19 @@ def test_ollama_routes_answer_errors_in_ollama_shape(gateway, method, path, head
     with pytest.raises(ollama.ResponseError) as ei:
         ollama.Client(host=gateway.base_url, headers={"Authorization": "Bearer sk-wrong"}).list()
     assert ei.value.status_code == 401 and "API key" in ei.value.error
+
+
+@pytest.mark.parametrize(
+    "content, status",
+    [
+        (b"{}", 400),
+        (b'{"model": 5}', 400),
+        (b"[1]", 400),
+        (b"{nope", 400),
+        (b'{"model": "no-such-model"}', 404),
+    ],
+)
+def test_show_needs_a_model_name(gateway, content, status):
+    r = _post(gateway, "/api/show", content)
+    assert r.status_code == status, r.text
+    assert isinstance(r.json()["error"], str)
