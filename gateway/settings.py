@@ -275,15 +275,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action.help = f"{action.help or ''} (env {ENV_PREFIX}{action.dest.upper()})".replace("%", "%%")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """``python -m gateway`` with its one command, ``serve`` (exit 2 with a message on unknown flags)."""
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """``python -m gateway`` and its one command's parser, ``serve``."""
     parser = argparse.ArgumentParser(
         prog="python -m gateway", description="OpenAI-compatible LLM gateway", allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="serve the HTTP API", description=SOURCES, allow_abbrev=False)
     add_arguments(serve)
-    return parser
+    return parser, serve
+
+
+def parse_argv(argv: list[str] | None) -> dict[str, Any]:
+    """The flags of ``argv`` as a dict. An unknown flag exits 2 with ``serve``'s usage line (argparse
+    would otherwise report it with the top-level usage, which lists no flag)."""
+    parser, serve = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        serve.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return vars(ns)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -314,7 +324,7 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
         SystemExit: (2, argparse) an unknown flag, a missing command, or a flag value of the wrong form.
         SettingsError: a bad TOML file, environment value or flag value (message names the source).
     """
-    ns = vars(build_parser().parse_args(argv))
+    ns = parse_argv(argv)
     notices: list[str] = []
     merged: dict[str, dict[str, object]] = {table: {} for table in SECTIONS}
     engine: dict[str, str | bool] = {}
