@@ -61,7 +61,7 @@ log = logging.getLogger("gateway")
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     get_record(request).set_error(exc.type, exc.code)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+    return JSONResponse(exc.body_for(request.url.path), status_code=exc.status, headers=exc.headers or None)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

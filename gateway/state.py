@@ -53,6 +53,7 @@ class Gateway:
         self.metrics = metrics
         self.started = int(time.time())
         self._token_str: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
         self._tok_limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
 
     async def tokenize(self, fn: Callable[[], T], chars: int) -> T:
@@ -72,8 +73,12 @@ class Gateway:
         return s
 
     def token_bytes(self, tid: int) -> list[int]:
-        """The raw bytes of one token, as a list of ints (OpenAI logprobs ``bytes``)."""
-        return list(self.tokenizer.id_to_bytes[tid])
+        """The raw bytes of one token, as a list of ints (OpenAI logprobs ``bytes``), cached (callers only
+        encode it)."""
+        b = self._token_bytes.get(tid)
+        if b is None:
+            b = self._token_bytes[tid] = list(self.tokenizer.id_to_bytes[tid])
+        return b
 
     @property
     def card(self) -> ModelCard:
@@ -99,12 +104,6 @@ class Gateway:
             code="model_not_found",
         )
 
-    def principal(self, request: Request) -> Principal | None:
-        """The principal the auth middleware found for this request; None without tenancy or on a public
-        path. A plain read: the middleware authenticated the request once already."""
-        found = request.scope.get("state", {}).get("principal")
-        return found if isinstance(found, Principal) else None
-
     async def authenticate(self, request: Request) -> Principal | None:
         """The request's principal: the auth middleware's, else (an app without it) authenticated here; None
         without tenancy. Raises ``AuthenticationError`` (401)."""
@@ -128,7 +127,7 @@ class Gateway:
         """``factory()`` -> a fresh output filter for one choice of this tenant, or None when the tenant has
         no output-stage hook (nothing held back)."""
         filters = self.filters
-        if filters is None or filters.output_filter(principal) is None:
+        if filters is None or not filters.pipeline(principal).filters_output:
             return None
         return lambda: filters.output_filter(principal)
 

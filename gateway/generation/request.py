@@ -47,8 +47,3 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     def tenant_id(self) -> str:
         """The tenant's id, "" without tenancy (also the prefix-cache salt: tenants never share KV)."""
         return self.principal.tenant_id if self.principal is not None else ""
-
-    @property
-    def reserved_tokens(self) -> int:
-        """Tokens the admission reserves for this request: prompt + max_tokens for each of the n choices."""
-        return len(self.prompt_ids) + self.sampling.max_tokens * self.sampling.n

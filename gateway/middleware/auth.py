@@ -7,18 +7,16 @@
   ``OPTIONS``) pass; ``/admin/...`` (raw or after resolving ``..``/``//``, any case) needs the admin key
   (``scope["state"]["admin"] = True``); everything else, unknown paths included (no 404 before auth), needs a
   tenant key, and its :class:`~auth.principal.Principal` goes to ``scope["state"]["principal"]``
-  (``request.state.principal`` in Starlette; handlers read it through ``Gateway.principal``).
+  (``request.state.principal`` in Starlette; handlers read it through ``Gateway.authenticate``).
 * Refusals are answered here with OpenAI's error body (401, 403). Every response to a tenant request that
   lacks ``x-ratelimit-*`` headers gets the tenant's current ones (so ``/v1/models`` and 4xx answers carry them).
 """
 
 from __future__ import annotations
 
-import json
-
 from auth.credentials import QUERY_KEY_MESSAGE, query_has_key, redact_query
 from gateway.errors import APIError, AuthenticationError
-from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
+from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
 from gateway.observability.record import get_record
 from gateway.tenants import Tenants
 
@@ -70,15 +68,6 @@ def classify_path(
         return p in public_paths or (p.startswith(public_prefixes) and ".." not in p and "//" not in p)
 
     return "public" if public(path) and public(norm) else "tenant"
-
-
-async def send_error(send: Send, e: APIError, path: str = "") -> None:
-    """Send an APIError as a complete JSON response on a raw ASGI ``send`` (Ollama's shape under /api/)."""
-    body = json.dumps(e.body_for(path)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in e.headers.items()]
-    await send({"type": "http.response.start", "status": e.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 class AuthMiddleware:

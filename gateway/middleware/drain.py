@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import msgspec
 import trio
 
 from gateway.errors import ServiceUnavailable
-from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send
+from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send, send_error
 
 
 class Drainable(Protocol):
@@ -47,7 +46,7 @@ class DrainGate:
             await self.app(scope, receive, send)
             return
         if self.pool.draining and scope.get("path") not in self.PROBES:
-            await self._refuse(send)
+            await self._refuse(send, scope.get("path", ""))
             return
         self.in_flight += 1
         if self.in_flight == 1:
@@ -59,16 +58,10 @@ class DrainGate:
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, send: Send, path: str) -> None:
         err = ServiceUnavailable(
-            "The server is shutting down; retry the request.", code="server_shutting_down"
+            "The server is shutting down; retry the request.",
+            code="server_shutting_down",
+            headers={"retry-after": str(self.RETRY_AFTER_S), "connection": "close"},
         )
-        body = msgspec.json.encode(err.body())
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"retry-after", str(self.RETRY_AFTER_S).encode()),
-            (b"connection", b"close"),
-        ]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, err, path)

@@ -67,7 +67,8 @@ class RequestRecord:
         queue_s, prefill_s, decode_s, backend_ttft_s: backend phases (max over choices).
         preemptions: times the backend preempted this request.
         error_type, error_code: of the ``APIError`` rendered, if any.
-        itl_s: inter-token gaps, one per token-carrying output after the first (seconds).
+        itl_sum_s, itl_count: sum (seconds) and number of the inter-token gaps, one per token-carrying output
+            after the first.
     """
 
     def __init__(
@@ -99,7 +100,8 @@ class RequestRecord:
         self.preemptions = 0
         self.error_type: str | None = None
         self.error_code: str | None = None
-        self.itl_s: list[float] = []
+        self.itl_sum_s = 0.0  # inter-token gaps: their sum and count (the access log shows the mean)
+        self.itl_count = 0
         self.log_content = log_content
         self.prompt_text: str | None = None
         self.output_parts: list[str] = []
@@ -136,7 +138,8 @@ class RequestRecord:
                 self.latency.observe_ttft(self, now - self.t_arrival)
         else:
             gap = now - (self.t_last_token or now)
-            self.itl_s.append(gap)
+            self.itl_sum_s += gap
+            self.itl_count += 1
             if self.latency is not None:
                 self.latency.observe_itl(self, gap)
         self.t_last_token = now
@@ -200,7 +203,7 @@ class RequestRecord:
             "preemptions": self.preemptions if self.submitted else None,
             "e2e_s": _round(self.e2e_s),
             "ttft_s": _round(self.ttft_s),
-            "itl_mean_s": _round(sum(self.itl_s) / len(self.itl_s)) if self.itl_s else None,
+            "itl_mean_s": _round(self.itl_sum_s / self.itl_count) if self.itl_count else None,
             "queue_s": _round(self.queue_s),
             "prefill_s": _round(self.prefill_s),
             "decode_s": _round(self.decode_s),
