@@ -8,6 +8,8 @@ limit) into a 400 ``invalid_json`` instead of a 500.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import msgspec
 import trio
 from starlette.requests import Request
@@ -30,31 +32,40 @@ async def read_body(request: Request, limit: int) -> bytes:
             ``connection: close``.
     """
     cl = request.headers.get("content-length")
+    stream = request.stream()
     if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+        # drained too, so that a client still writing the announced body reads the 413 (not a write error)
+        headers = {"connection": "close"} if int(cl) > limit + DRAIN_BYTES else await _drain(stream, int(cl))
         raise PayloadTooLarge(
-            f"Request body of {int(cl)} bytes exceeds the limit of {limit} bytes.", code="request_too_large"
+            f"Request body of {int(cl)} bytes exceeds the limit of {limit} bytes.",
+            code="request_too_large",
+            headers=headers,
         )
     parts: list[bytes] = []
     size = 0
-    stream = request.stream()
     async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            headers = {}
-            with trio.move_on_after(DRAIN_SECONDS) as scope:
-                async for more in stream:
-                    size += len(more)
-                    if size > limit + DRAIN_BYTES:
-                        headers = {"connection": "close"}
-                        break
-            if scope.cancelled_caught:
-                headers = {"connection": "close"}
+            headers = await _drain(stream, DRAIN_BYTES)
             raise PayloadTooLarge(
                 f"Request body exceeds the limit of {limit} bytes.", code="request_too_large", headers=headers
             )
         if chunk:
             parts.append(chunk)
     return b"".join(parts)
+
+
+async def _drain(stream: AsyncIterator[bytes], budget: int) -> dict[str, str]:
+    """Read and drop the rest of a refused body: at most ``budget`` bytes for ``DRAIN_SECONDS``. Returns the
+    413's extra headers: none when the body ended, ``connection: close`` when a bound was hit."""
+    read = 0
+    with trio.move_on_after(DRAIN_SECONDS):
+        async for more in stream:
+            read += len(more)
+            if read > budget:
+                return {"connection": "close"}
+        return {}
+    return {"connection": "close"}
 
 
 def decode_json(body: bytes) -> object:
