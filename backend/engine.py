@@ -15,12 +15,20 @@ stop id; ``stop_token_id`` set, the token is not in ``new_token_ids`` but is
 counted in ``completion_tokens``), "length" (``max_tokens``), "abort"
 (``abort_request``) or an error.
 
+Constrained requests (``Submit.grammar``, ``backend.grammar``): the grammar compiles on a worker thread
+while the request waits outside the scheduler (``has_work`` stays true); once compiled each choice gets its
+own matcher and the request is queued. Each step the masks of the constrained rows are computed beside the
+forward pass and applied in the sampler; a choice whose grammar is complete finishes with "stop" (its last
+token is in ``new_token_ids``). A grammar that fails to compile, or that the output leaves, ends that
+request alone with ``RequestError`` code ``grammar_error``.
+
 Source followed: nano-vllm ``LLMEngine``; vLLM v1 ``EngineCore`` (busy loop
 owning all state, outputs batched per step).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import time
 import traceback
@@ -29,9 +37,11 @@ from typing import Any
 
 import msgspec
 
+from backend import grammar as G
 from backend.batch import SeqChunk
 from backend.block_manager import BlockManager
 from backend.protocol import (
+    FEATURE_GRAMMAR,
     RequestError,
     RequestOutput,
     SamplingParams,
@@ -96,6 +106,8 @@ class Engine:
         long_prefill_token_threshold: see ``Scheduler``.
         num_kv_blocks: use only this many of the runner's KV blocks (tests: a tiny pool
             without reloading the model); default all.
+        grammar: the grammar compiler (``backend.grammar.GrammarCompiler``); default one built on first
+            use from the model file's tokenizer (``card.model_path``).
 
     Raises:
         ValueError: inconsistent limits.
@@ -110,6 +122,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int | None = None,
         num_kv_blocks: int | None = None,
+        grammar: G.GrammarCompiler | None = None,
     ) -> None:
         if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:
             raise ValueError(f"num_kv_blocks must be in [1, {runner.num_kv_blocks}]")
@@ -136,6 +149,10 @@ class Engine:
             long_prefill_token_threshold=long_prefill_token_threshold,
         )
         self.requests: dict[str, EngineRequest] = {}
+        self.grammar = grammar
+        self.masks: G.MaskJob | None = None
+        # requests whose grammar is compiling: request_id -> (request, its first sequence, the compile)
+        self.compiling: dict[str, tuple[EngineRequest, Sequence, concurrent.futures.Future]] = {}
         self.num_steps = 0
         self.num_aborts = 0
         self.num_finished = 0
@@ -155,7 +172,24 @@ class Engine:
         return self.scheduler.max_num_batched_tokens
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.compiling)
+
+    @property
+    def features(self) -> list[str]:
+        """Capability flags to announce in ``Ready.features``."""
+        return [FEATURE_GRAMMAR] if G.available() and (self.grammar or self.card.model_path) else []
+
+    def _compiler(self) -> G.GrammarCompiler:
+        if self.grammar is None:
+            path = self.card.model_path
+
+            def tokenizer_json() -> str:
+                from templating.tokenizer import load_tokenizer
+
+                return load_tokenizer(path).tokenizer.to_str()
+
+            self.grammar = G.GrammarCompiler(tokenizer_json, self.vocab_size, self.eos_token_ids)
+        return self.grammar
 
     # ------------------------------------------------------------------ validation
 
@@ -185,6 +219,8 @@ class Engine:
         bad = check_sampling(p, V)  # the rules the gateway applies too (backend/sampling_rules.py)
         if bad is not None:
             return err("invalid_parameter", bad.message, bad.param)
+        if submit.grammar is not None and FEATURE_GRAMMAR not in self.features:
+            return err("unsupported_feature", "this backend does not serve grammars", "grammar")
         if p.n > self.max_num_seqs:
             return err("invalid_parameter", f"n must be at most {self.max_num_seqs}, got {p.n}", "n")
         total = len(ids) + p.max_tokens
@@ -236,8 +272,35 @@ class Engine:
         req.seqs[0] = seq
         self.requests[req.request_id] = req
         self.num_prompt_tokens += len(submit.prompt_ids)
-        self.scheduler.add(seq)
+        if submit.grammar is not None:
+            self.compiling[req.request_id] = (req, seq, self._compiler().submit(submit.grammar))
+        else:
+            self.scheduler.add(seq)
         return None
+
+    def _admit_compiled(self, wait: bool) -> list[tuple[Hashable, Message]]:
+        """Queue the requests whose grammar finished compiling (one matcher per choice); fail those whose
+        grammar did not compile. ``wait``: nothing else to do, block up to 5 ms for a compile to end."""
+        if not self.compiling:
+            return []
+        if wait:
+            futures = [f for _, _, f in self.compiling.values()]
+            concurrent.futures.wait(futures, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
+        out: list[tuple[Hashable, Message]] = []
+        for rid, (req, seq, fut) in list(self.compiling.items()):
+            if not fut.done():
+                continue
+            del self.compiling[rid]
+            try:
+                first = fut.result()
+                req.states[0].matcher = first
+                for st in req.states[1:]:
+                    st.matcher = first.deep_copy()  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - GrammarError or an engine fault: this request only
+                out.append((req.owner, self._fail(req, f"grammar: {exc}", code="grammar_error")))
+                continue
+            self.scheduler.add(seq)
+        return out
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request at any moment and free everything it holds; unknown ids -> [].
@@ -247,6 +310,9 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
+        pending = self.compiling.pop(request_id, None)
+        if pending is not None:
+            pending[2].cancel()
         self.num_aborts += 1
         now = time.monotonic()
         outs = []
@@ -257,6 +323,7 @@ class Engine:
             if seq is not None:
                 self.scheduler.finish(seq)
             req.done[i] = True
+            req.states[i].matcher = None
             outs.append(self._final(req, i, "abort", now))
         return outs
 
@@ -330,17 +397,21 @@ class Engine:
         if seq is not None:
             self.scheduler.finish(seq)
         req.done[index] = True
+        req.states[index].matcher = None  # frees the grammar state
         if all(req.done):
             self.requests.pop(req.request_id, None)
             self.num_finished += 1
 
-    def _fail(self, req: EngineRequest, message: str) -> RequestError:
+    def _fail(self, req: EngineRequest, message: str, code: str = "internal_error") -> RequestError:
         for i, seq in enumerate(req.seqs):
             if seq is not None:
                 self.scheduler.finish(seq)
             req.done[i] = True
+            req.states[i].matcher = None
         self.requests.pop(req.request_id, None)
-        return RequestError(request_id=req.request_id, code="internal_error", message=message)
+        self.compiling.pop(req.request_id, None)
+        param = "grammar" if code == "grammar_error" else None
+        return RequestError(request_id=req.request_id, code=code, message=message, param=param)
 
     # ------------------------------------------------------------------ step
 
@@ -354,9 +425,10 @@ class Engine:
         """
         t0 = time.perf_counter()
         sched = self.scheduler
+        early = self._admit_compiled(wait=not sched.has_work())
         plan = sched.schedule()
         if not plan.chunks:
-            return []
+            return early
         self.num_steps += 1
         now = time.monotonic()
         for seq in plan.admitted:
@@ -373,18 +445,22 @@ class Engine:
             )
             for c in plan.chunks
         ]
+        rows, targets = self._targets(plan)
+        mask_job = self._start_masks(targets)
         t1 = time.perf_counter()
         try:
             logits = self.runner.execute(chunks)
         except Exception as exc:  # fail only this step's requests; keep serving
             traceback.print_exc(file=sys.stderr)
-            return self._fail_plan(plan, f"model step failed: {type(exc).__name__}: {exc}")
+            if mask_job is not None:
+                mask_job.result()  # the worker must not run on while matchers are dropped
+            return early + self._fail_plan(plan, f"model step failed: {type(exc).__name__}: {exc}")
         t2 = time.perf_counter()
         self.model_time_s += t2 - t1
         sched.update_after_step(plan)
-        out: list[tuple[Hashable, Message]] = []
+        out: list[tuple[Hashable, Message]] = early
         try:
-            self._sample_and_output(plan, logits, out)
+            self._sample_and_output(rows, targets, logits, mask_job, out)
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
             # Keep the final outputs of requests that already finished in this step (they left
@@ -408,11 +484,9 @@ class Engine:
             out.append((req.owner, self._fail(req, message)))
         return out
 
-    def _sample_and_output(
-        self, plan: SchedulerOutput, logits: Any, out: list[tuple[Hashable, Message]]
-    ) -> None:
-        """Sample one token per sequence that reached its end, fork n > 1 parents, and append the step's
-        messages to ``out`` (filled in place so that a failure midway keeps what was already produced)."""
+    def _targets(self, plan: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
+        """The logits rows to sample and, per row, ``(sequence or parent, choice index)``: one per sequence
+        that reached its end, and for a parent that just finished its prompt one per choice (n > 1)."""
         rows: list[int] = []
         targets: list[tuple[Sequence, int]] = []  # (sequence or parent, choice index)
         r = 0
@@ -431,6 +505,49 @@ class Engine:
                     rows.append(r)
                     targets.append((seq, seq.index))
             r += 1
+        return rows, targets
+
+    def _start_masks(self, targets: list[tuple[Sequence, int]]) -> concurrent.futures.Future | None:
+        """Start the grammar masks of the constrained targets (on a worker thread, beside the forward);
+        None when no target is constrained."""
+        cons = [(j, m) for j, (s, i) in enumerate(targets) if (m := s.request.states[i].matcher) is not None]
+        if not cons:
+            return None
+        if self.masks is None:
+            self.masks = G.MaskJob(self.vocab_size)
+        return self.masks.start([j for j, _ in cons], [m for _, m in cons])
+
+    def _check_masks(
+        self,
+        targets: list[tuple[Sequence, int]],
+        allowed: tuple[list[int], Any],
+        out: list[tuple[Hashable, Message]],
+    ) -> None:
+        """Fail the requests whose matcher errored while computing its mask, or allows no token at all
+        (their rows are then unmasked: the token drawn there is thrown away)."""
+        rows, ok = allowed
+        for j, r in enumerate(rows):
+            seq, i = targets[r]
+            req: EngineRequest = seq.request
+            m = req.states[i].matcher
+            bad = m is not None and m.is_error()  # type: ignore[attr-defined]
+            if bad or not bool(ok[j].any()):
+                if req.request_id in self.requests:
+                    why = G.error_message(m) if bad else "no token can continue the output"
+                    out.append((req.owner, self._fail(req, f"grammar: {why}", code="grammar_error")))
+                ok[j] = True
+
+    def _sample_and_output(
+        self,
+        rows: list[int],
+        targets: list[tuple[Sequence, int]],
+        logits: Any,
+        mask_job: concurrent.futures.Future | None,
+        out: list[tuple[Hashable, Message]],
+    ) -> None:
+        """Sample one token per target, fork n > 1 parents, and append the step's messages to ``out``
+        (filled in place so that a failure midway keeps what was already produced)."""
+        allowed = self.masks.result(mask_job) if self.masks is not None and mask_job is not None else None
         if not targets:
             return
         if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
@@ -440,12 +557,14 @@ class Engine:
 
             batch = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         states = [s.request.states[i] for s, i in targets]
-        tokens, lps = sample(batch, states)
+        if allowed is not None:
+            self._check_masks(targets, allowed, out)
+        tokens, lps = sample(batch, states, allowed)
 
         # forks: create the children of every parent that just finished its prompt
         forked: dict[int, list[Sequence]] = {}
         for seq, i in targets:
-            if i != seq.index:
+            if i != seq.index and seq.request.request_id in self.requests:
                 req = seq.request
                 child = Sequence(
                     seq.token_ids[: seq.num_prompt_tokens],
@@ -461,12 +580,14 @@ class Engine:
         for parent, *children in forked.values():
             self.scheduler.fork(parent, children)
         for seq, _ in targets:  # a parent whose not-yet-forked siblings were all aborted: free their slots
-            if seq.pending_forks and seq.seq_id not in forked:
+            if seq.pending_forks and seq.seq_id not in forked and seq.status is SeqStatus.RUNNING:
                 self.scheduler.fork(seq, [])
 
         now = time.monotonic()
         for (seq, i), tok, lp in zip(targets, tokens, lps):
             req = seq.request
+            if req.request_id not in self.requests:
+                continue  # failed in this step (grammar)
             s = req.seqs[i]
             assert s is not None
             state = req.states[i]
@@ -474,8 +595,18 @@ class Engine:
             self.num_generation_tokens += 1
             if req.first_token is None:
                 req.first_token = now
+            m = state.matcher
+            if m is not None:
+                try:
+                    G.advance(m, tok)
+                except G.GrammarError as exc:
+                    out.append((req.owner, self._fail(req, f"grammar: {exc}", code="grammar_error")))
+                    continue
             if tok in req.stop_set:
                 msg = self._final(req, i, "stop", now, stop_token_id=tok)
+                self._finish_choice(req, i)
+            elif m is not None and G.finished(m):  # the grammar is complete: nothing may follow
+                msg = self._final(req, i, "stop", now, new_token_ids=[tok], logprobs=[lp] if lp else None)
                 self._finish_choice(req, i)
             elif state.num_generated >= req.params.max_tokens:
                 msg = self._final(req, i, "length", now, new_token_ids=[tok], logprobs=[lp] if lp else None)

@@ -20,6 +20,7 @@ Source followed: msgspec's tagged unions
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from typing import Literal
 
@@ -30,6 +31,11 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024  # bytes
 _HEADER = struct.Struct(">I")
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Capability flags exchanged in the handshake (``Hello.features`` / ``Ready.features``). A peer without a
+# flag keeps working for every request that does not use the feature; the gateway refuses (400) a request
+# needing a feature its backend did not announce.
+FEATURE_GRAMMAR = "grammar"  # Submit.grammar: token masks from JSON Schema / Lark / regex
 
 
 class ProtocolError(Exception):
@@ -123,6 +129,33 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
     preemptions: int = 0
 
 
+class Grammar(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the generated text, enforced by per-step token masks in the backend's sampler.
+
+    ``kind``:
+
+    * ``"json_schema"``: ``source`` is a JSON Schema document as JSON text (OpenAI ``response_format``
+      ``json_schema``; ``{"type": "object"}`` is ``json_object``);
+    * ``"lark"``: ``source`` is a Lark grammar in llguidance's dialect (``%json {...}`` embeds a schema;
+      vLLM ``guided_grammar``, tool calls);
+    * ``"regex"``: ``source`` is a regular expression the whole output must match.
+
+    ``key``: hex digest of ``kind`` and ``source`` (``grammar_key``), the backend's compile-cache key; the
+    text itself is never a cache key. The gateway has validated the grammar (size, compile time) before it
+    sends it; the backend compiles it again against its own copy of the vocabulary.
+    Source followed: llguidance (https://github.com/guidance-ai/llguidance, docs/syntax.md).
+    """
+
+    kind: Literal["json_schema", "lark", "regex"]
+    source: str
+    key: str = ""
+
+
+def grammar_key(kind: str, source: str) -> str:
+    """The compile-cache key of a grammar: sha256 of ``kind``, a NUL byte and ``source`` (64 hex chars)."""
+    return hashlib.sha256(kind.encode() + b"\0" + source.encode()).hexdigest()
+
+
 # ----------------------------------------------------------------------------- to the backend
 
 
@@ -131,15 +164,21 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
 
     version: int = PROTOCOL_VERSION
     client: str = "gateway"
+    features: list[str] = []  # capability flags the gateway uses (FEATURE_*)
 
 
 class Submit(msgspec.Struct, tag="submit", kw_only=True):
-    """Start a request. ``cache_salt`` separates prefix-cache namespaces (tenant id by default)."""
+    """Start a request. ``cache_salt`` separates prefix-cache namespaces (tenant id by default).
+
+    ``grammar``: constrain every choice's output (None: unconstrained, no cost). Needs the backend's
+    ``FEATURE_GRAMMAR``; a backend without it answers ``RequestError`` code ``unsupported_feature``.
+    """
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     cache_salt: str = ""
+    grammar: Grammar | None = None
     arrival_time: float = 0.0  # sender's time.time(), seconds; informational
 
 
@@ -179,6 +218,7 @@ class Ready(msgspec.Struct, tag="ready", kw_only=True):
     block_size: int  # tokens per KV block
     max_num_seqs: int
     max_num_batched_tokens: int
+    features: list[str] = []  # capability flags the backend serves (FEATURE_*)
 
 
 class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -210,7 +250,8 @@ class RequestError(msgspec.Struct, tag="request_error", kw_only=True):
     """A request failed (bad input or engine fault); only that request ends.
 
     code is an OpenAI-style code: "invalid_request_error", "context_length_exceeded",
-    "invalid_token_id", "invalid_parameter", "internal_error".
+    "invalid_token_id", "invalid_parameter", "unsupported_feature", "grammar_error" (the grammar failed
+    to compile, or the output left it mid-generation), "internal_error".
     """
 
     request_id: str

@@ -4,12 +4,15 @@ One call samples one token for every row of a ``[B, V]`` float32 logits
 tensor, each row with its own ``ChoiceState`` (parameters, random generator,
 penalty counters). Order of operations per row, all in float32:
 
+0. Grammar mask (constrained rows only, ``allowed``): tokens the row's grammar
+   does not allow get ``-inf`` (``backend.grammar``).
 1. ``raw = log_softmax(logits)``: the distribution reported by ``logprobs`` /
    ``top_logprobs`` (before any bias, penalty or filtering, like vLLM's
-   default "raw_logprobs").
+   default "raw_logprobs"; after the grammar mask, so a constrained row reports
+   the distribution its token was drawn from, renormalised over the allowed tokens).
 2. ``logit_bias`` added (OpenAI: added to the logits before sampling).
 3. ``min_tokens``: EOS and stop ids masked to ``-inf`` until that many tokens
-   were generated. (``ignore_eos`` is the engine's business: EOS is then an
+   were generated (not on constrained rows: a complete grammar ends the choice). (``ignore_eos`` is the engine's business: EOS is then an
    ordinary token that does not end the choice.)
 4. Penalties. ``presence_penalty`` / ``frequency_penalty`` count generated
    tokens only (OpenAI API reference, "Parameter details"):
@@ -80,6 +83,7 @@ class ChoiceState:
         "bias_vals",
         "want_logprobs",
         "top_logprobs",
+        "matcher",
     )
 
     def __init__(
@@ -117,6 +121,7 @@ class ChoiceState:
             self.bias_ids = self.bias_vals = None
         self.top_logprobs = min(int(params.top_logprobs), MAX_TOP_LOGPROBS)
         self.want_logprobs = bool(params.logprobs) or self.top_logprobs > 0
+        self.matcher: object | None = None  # the choice's grammar state (backend.grammar), if constrained
 
     def append(self, token_id: int) -> None:
         """Record a sampled token (O(1); EOS/stop ids are not counted for penalties)."""
@@ -249,7 +254,7 @@ def process_logits(logits: torch.Tensor, states: list[ChoiceState]) -> torch.Ten
         if s.bias_ids is not None:
             writable()[i].index_add_(0, s.bias_ids, s.bias_vals)
         p = s.params
-        if s.num_generated < p.min_tokens and s.stop_ids_t is not None:
+        if s.num_generated < p.min_tokens and s.stop_ids_t is not None and s.matcher is None:
             writable()[i].index_fill_(0, s.stop_ids_t, float("-inf"))
 
     pen_rows = [i for i, s in enumerate(states) if s.counts is not None]
@@ -279,12 +284,18 @@ def process_logits(logits: torch.Tensor, states: list[ChoiceState]) -> torch.Ten
     return x
 
 
-def sample(logits: torch.Tensor, states: list[ChoiceState]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor,
+    states: list[ChoiceState],
+    allowed: tuple[list[int], torch.Tensor] | None = None,
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row.
 
     Args:
         logits: ``[B, V] float32`` (any device; moved to CPU), row ``i`` for ``states[i]``.
         states: per-row ``ChoiceState`` (not modified; call ``state.append`` after).
+        allowed: grammar masks ``(rows, [R, V] bool)``: row ``rows[j]`` may only take the tokens
+            ``allowed[j]`` marks (``backend.grammar.MaskJob``); None: no constrained row.
 
     Returns:
         ``(token_ids, logprobs)``: B ints, and per row a ``TokenLogprob`` (raw
@@ -296,6 +307,11 @@ def sample(logits: torch.Tensor, states: list[ChoiceState]) -> tuple[list[int], 
         logits = logits.float().cpu()
     logits = logits.float()
     assert logits.shape[0] == B, (logits.shape, B)
+    if allowed is not None:
+        rows, ok = allowed
+        logits = logits.clone()
+        idx = torch.tensor(rows, dtype=torch.int64)
+        logits[idx] = logits[idx].masked_fill(~ok, float("-inf"))
 
     lp_rows = [i for i, s in enumerate(states) if s.want_logprobs]
     raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None

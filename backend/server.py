@@ -289,6 +289,7 @@ class Server:
                         block_size=eng.block_manager.block_size,
                         max_num_seqs=eng.max_num_seqs,
                         max_num_batched_tokens=eng.max_num_batched_tokens,
+                        features=eng.features,
                     )
                 )
             elif isinstance(msg, P.Hello):

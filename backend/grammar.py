@@ -1,0 +1,285 @@
+"""Grammar-constrained decoding: compiled grammars, per-choice matchers, batched token masks.
+
+A ``protocol.Grammar`` (JSON Schema, Lark or regex text) is compiled once per distinct ``Grammar.key``
+into an llguidance ``LLMatcher`` over the model's vocabulary; each constrained choice gets its own copy
+(``deep_copy``: the parser state of that choice). Per engine step:
+
+1. before the forward pass, ``MaskJob.start`` computes the masks of every constrained row on a worker
+   thread (llguidance releases the GIL; ``LLExecutor`` spreads the rows over its threads), so the masks
+   are ready when the logits are;
+2. after it, ``MaskJob.result`` gives ``(rows, allowed)``: ``allowed [R, V] bool`` for the batch rows
+   ``rows``; the sampler sets every other logit of those rows to ``-inf``. Rows without a grammar are
+   not touched, and a step without constrained rows does no work at all;
+3. each sampled token is fed to its choice's matcher (``advance``): a token the grammar refuses is a
+   ``GrammarError`` for that request alone; a grammar that can take no more tokens ends the choice
+   ("stop").
+
+Compiling runs on a worker thread too (``GrammarCompiler.submit`` returns a ``Future``): the engine
+queues a constrained request only when its grammar is ready, so a slow compile never stalls the step
+loop. The vocabulary (llguidance ``LLTokenizer``, ~0.2 s to build) is loaded on first use from the
+model's own tokenizer (``templating.load_tokenizer``), never from the gateway.
+
+Limits: ``MAX_GRAMMAR_BYTES`` of grammar text; llguidance's ``LLParserLimits`` bound the lexer and
+parser work per compile and per mask (a grammar over them errors instead of hanging).
+
+Shapes: masks are int32 bitmasks ``[R, ceil(V / 32)]`` (bit ``t % 32`` of word ``t // 32`` set = token
+``t`` allowed), unpacked to ``[R, V] bool``. Token ids are ints in ``[0, V)``.
+
+Errors::
+
+    GrammarError                 the grammar does not compile, or the output left it
+    GrammarUnavailable           llguidance is not installed, or the model's vocabulary cannot be loaded
+
+Source followed: llguidance (https://github.com/guidance-ai/llguidance: ``LLMatcher``, ``LLExecutor``,
+``fill_next_token_bitmask_par``); vLLM v1 structured output (masks computed per step beside the forward
+pass, applied in the sampler).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from backend.protocol import Grammar
+
+MAX_GRAMMAR_BYTES = 1024 * 1024  # bytes of Grammar.source the backend compiles at most
+CACHE_SIZE = 128  # compiled grammars kept (LRU by Grammar.key)
+
+try:  # optional at import time: a backend without it does not announce FEATURE_GRAMMAR
+    import llguidance as llg
+except ImportError:  # pragma: no cover - llguidance is a dependency
+    llg = None
+
+
+class GrammarError(Exception):
+    """The grammar does not compile, or the generated tokens left it (``message`` says where)."""
+
+
+class GrammarUnavailable(GrammarError):
+    """No grammar engine here: llguidance missing, or the model's vocabulary could not be loaded."""
+
+
+def available() -> bool:
+    """True when llguidance can be imported (the backend then announces ``FEATURE_GRAMMAR``)."""
+    return llg is not None
+
+
+def parser_limits() -> object:
+    """llguidance's work limits for one grammar (defaults: lexer fuel 1M at compile, 200k per mask)."""
+    assert llg is not None
+    return llg.LLParserLimits(max_grammar_size=500_000, step_lexer_fuel=200_000)
+
+
+def to_llguidance(grammar: Grammar) -> str:
+    """The llguidance grammar text (its JSON top-level form) of ``grammar``.
+
+    Raises:
+        GrammarError: too large, or a JSON Schema that is not a JSON object.
+        GrammarUnavailable: no llguidance.
+    """
+    if llg is None:
+        raise GrammarUnavailable("structured output needs the llguidance package")
+    if len(grammar.source.encode()) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
+    try:
+        if grammar.kind == "json_schema":
+            return llg.LLMatcher.grammar_from_json_schema(grammar.source)
+        if grammar.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(grammar.source)
+        return llg.LLMatcher.grammar_from_lark(grammar.source)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(str(exc)) from None
+
+
+def check_grammar(grammar: Grammar, tokenizer: object | None = None) -> None:
+    """Compile ``grammar`` and compute its first mask; raise if either fails.
+
+    ``tokenizer``: an ``llguidance.LLTokenizer`` (with one, the first mask is computed too, which catches
+    what compiling alone does not, e.g. a ``$ref`` that refers only to itself).
+
+    Raises:
+        GrammarError: the message says what is wrong.
+        GrammarUnavailable: no llguidance.
+    """
+    text = to_llguidance(grammar)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, tokenizer, limits=parser_limits())
+    if is_error:
+        raise GrammarError(messages[0] if messages else "invalid grammar")
+    if tokenizer is not None:
+        m = llg.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
+        if not m.is_error():
+            words = (tokenizer.vocab_size + 31) // 32  # type: ignore[attr-defined]
+            m.compute_bitmask()
+            if not m.is_error() and words and not _any_allowed(m):
+                raise GrammarError("the grammar accepts no output at all")
+        if m.is_error():
+            raise GrammarError(_short(m.get_error()))
+
+
+def _any_allowed(m: object) -> bool:
+    mask = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # type: ignore[attr-defined]
+    return bool(mask.any())
+
+
+def _short(message: str) -> str:
+    """llguidance's error text without its parser-state dump."""
+    return message.split("\n<state>", 1)[0].strip() or "grammar error"
+
+
+class GrammarCompiler:
+    """Compiles grammars against one vocabulary on a worker thread; caches the results by ``Grammar.key``.
+
+    Args:
+        tokenizer_json: the model's ``tokenizer.json`` text, or a callable returning it (called once, on
+            the first compile, on the worker thread).
+        vocab_size: logits width V (ids >= the tokenizer's size are never allowed).
+        eos_token_ids: ids that end a choice; a complete grammar allows them.
+        cache_size: compiled grammars kept.
+    """
+
+    def __init__(
+        self,
+        tokenizer_json: str | Callable[[], str],
+        vocab_size: int,
+        eos_token_ids: list[int],
+        cache_size: int = CACHE_SIZE,
+    ) -> None:
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer: object | None = None
+        self._lock = threading.Lock()  # guards _cache and _tokenizer (worker threads only)
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._cache_size = cache_size
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self.compiled = 0  # compiles done (cache misses)
+
+    def tokenizer(self) -> object:
+        """The llguidance ``LLTokenizer`` (built on first use). Raises ``GrammarUnavailable``."""
+        if llg is None:
+            raise GrammarUnavailable("structured output needs the llguidance package")
+        with self._lock:
+            if self._tokenizer is None:
+                src = self._tokenizer_json
+                try:
+                    text = src() if callable(src) else src
+                    self._tokenizer = llg.LLTokenizer(
+                        text, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                    )
+                except Exception as exc:  # noqa: BLE001 - any loader failure means no grammar here
+                    raise GrammarUnavailable(f"cannot load the model's vocabulary: {exc}") from None
+            return self._tokenizer
+
+    def compile(self, grammar: Grammar) -> object:
+        """A fresh matcher for ``grammar`` (a copy of the cached compiled one). Raises ``GrammarError``."""
+        tok = self.tokenizer()
+        key = grammar.key or f"{grammar.kind}:{hash(grammar.source)}"
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached.deep_copy()  # type: ignore[attr-defined]
+        matcher = llg.LLMatcher(tok, to_llguidance(grammar), log_level=0, limits=parser_limits())
+        if matcher.is_error():
+            raise GrammarError(_short(matcher.get_error()))
+        with self._lock:
+            self.compiled += 1
+            self._cache[key] = matcher
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return matcher.deep_copy()
+
+    def submit(self, grammar: Grammar) -> Future:
+        """``compile`` on the worker thread; the future's result is a matcher, or it raises."""
+        return self._pool.submit(self.compile, grammar)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def advance(matcher: object, token_id: int) -> None:
+    """Feed one sampled token to a choice's matcher.
+
+    Raises:
+        GrammarError: the grammar refuses the token (the matcher's error message).
+    """
+    if not matcher.consume_token(token_id):  # type: ignore[attr-defined]
+        raise GrammarError(_short(matcher.get_error()))  # type: ignore[attr-defined]
+
+
+def error_message(matcher: object) -> str:
+    """The matcher's error, without llguidance's parser-state dump."""
+    return _short(matcher.get_error())  # type: ignore[attr-defined]
+
+
+def finished(matcher: object) -> bool:
+    """The grammar can take no more tokens: the choice's output is complete."""
+    return bool(matcher.is_stopped())  # type: ignore[attr-defined]
+
+
+class MaskJob:
+    """The token masks of one step's constrained rows, computed on a worker thread.
+
+    Args:
+        vocab_size: logits width V.
+        threads: llguidance ``LLExecutor`` threads used for the rows of one step.
+    """
+
+    def __init__(self, vocab_size: int, threads: int = 1) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._executor = llg.LLExecutor(num_threads=threads) if llg is not None else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self.mask_time_s: list[float] = []  # per step with constrained rows (bench); bounded below
+
+    def start(self, rows: list[int], matchers: list[object]) -> Future | None:
+        """Begin the masks of batch rows ``rows`` (matcher ``matchers[i]`` for row ``rows[i]``).
+        Returns None when there is nothing to mask."""
+        if not rows:
+            return None
+        return self._pool.submit(self._fill, list(rows), list(matchers))
+
+    def _fill(self, rows: list[int], matchers: list[object]) -> tuple[list[int], np.ndarray, float]:
+        import time
+
+        t0 = time.perf_counter()
+        bitmask = np.full((len(rows), self.words), -1, dtype=np.int32)
+        assert self._executor is not None
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data, self.words * 4, len(rows)
+        )
+        return rows, bitmask, time.perf_counter() - t0
+
+    def result(self, job: Future | None) -> tuple[list[int], torch.Tensor] | None:
+        """``(rows, allowed [R, V] bool)`` of a started job, or None."""
+        if job is None:
+            return None
+        rows, bitmask, dt = job.result()
+        if len(self.mask_time_s) < 100_000:
+            self.mask_time_s.append(dt)
+        bits = (torch.from_numpy(bitmask).unsqueeze(-1) >> self._shifts) & 1
+        allowed = bits.reshape(len(rows), -1)[:, : self.vocab_size].bool()
+        return rows, allowed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = [
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarUnavailable",
+    "MaskJob",
+    "advance",
+    "available",
+    "check_grammar",
+    "error_message",
+    "finished",
+    "to_llguidance",
+]
