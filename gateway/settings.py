@@ -68,6 +68,12 @@ class HTTPSettings(Section):
         int, _opt("prompts longer than this (characters) are tokenized in a worker thread; 0: never", ge=0)
     ] = 8192
     served_model_name: Annotated[list[str], _opt("extra accepted model name")] = []
+    grammar_max_bytes: Annotated[int, _opt("largest grammar or JSON Schema in bytes (400 beyond)", ge=1)] = (
+        128 * 1024
+    )
+    grammar_timeout: Annotated[
+        float, _opt("seconds a grammar may take to compile and check (400 beyond)", gt=0)
+    ] = 2.0
     cors_origins: Annotated[list[str], _opt("origins allowed by CORS ('*': any)")] = msgspec.field(
         default_factory=lambda: ["*"]
     )

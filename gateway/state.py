@@ -22,6 +22,7 @@ from gateway.errors import NotFound, ServiceUnavailable
 from gateway.filters import OutputFilter, TenantFilters
 from gateway.observability.metrics import GatewayMetrics
 from gateway.settings import Settings
+from gateway.structured.checker import GrammarChecker
 from gateway.tenants import Tenants
 from ratelimit.reservation import Reservation
 from templating import ChatTemplate, TextTokenizer
@@ -55,6 +56,13 @@ class Gateway:
         self._token_str: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
         self._tok_limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
+        self.grammars = GrammarChecker(
+            tokenizer.tokenizer.to_str,
+            tokenizer.vocab_size,
+            sorted(tokenizer.stop_token_ids),
+            max_bytes=self.config.grammar_max_bytes,
+            timeout=self.config.grammar_timeout,
+        )
 
     async def tokenize(self, fn: Callable[[], T], chars: int) -> T:
         """Run ``fn`` (templating/tokenizing, CPU-bound) inline for short prompts, else in a worker thread

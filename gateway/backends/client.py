@@ -37,6 +37,7 @@ import time
 import trio
 
 from backend.protocol import (
+    FEATURE_GRAMMAR,
     PROTOCOL_VERSION,
     Abort,
     Fatal,
@@ -116,7 +117,7 @@ class BackendClient:
         decoder = from_backend_decoder()
         try:
             with trio.fail_after(timeout):
-                await stream.send_all(encode_frame(Hello()))
+                await stream.send_all(encode_frame(Hello(features=[FEATURE_GRAMMAR])))
                 buffered: list = []
                 while not buffered:
                     data = await stream.receive_some(65536)

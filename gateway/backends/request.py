@@ -56,6 +56,10 @@ def request_error_to_api(err: RequestError) -> APIError:
         return InvalidRequest(err.message, param=err.param, code="invalid_value")
     if err.code == "invalid_token_id":
         return InvalidRequest(err.message, param=err.param, code=err.code)
+    if err.code == "grammar_error":  # the grammar failed to compile there, or the output left it
+        return InvalidRequest(err.message, param=None, code="grammar_error")
+    if err.code == "unsupported_feature":
+        return InvalidRequest(err.message, param=None, code="unsupported_parameter")
     return InternalError("The inference backend failed on this request.", code=err.code or "internal_error")
 
 

@@ -8,6 +8,10 @@ finish_reason rules: a stop string seen in the text is "stop" even when the back
 the same step; backend "stop" (EOS or a stop token id) is "stop"; "length" is "length"; an output filter
 that cuts the text makes it "content_filter" (Azure OpenAI semantics, docs/filters.md). Backend "abort" and
 "error" are not finish reasons: they raise.
+
+With a tool-call parser (``gateway.tools``) the filtered text then goes through it: plain content and
+tool-call pieces come out separately. A choice that stopped with complete calls and no call left open
+finishes "tool_calls"; one cut by max_tokens stays "length" even inside a call.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import InternalError
 from gateway.generation.events import FinishReason
 from gateway.stops import StopMatcher
+from gateway.tools.parser import ToolCallDelta, ToolParser
 
 
 class OutputFilter(Protocol):
@@ -41,7 +46,7 @@ class Choice:
         usage, timings: the backend's, from its last output (None until then).
     """
 
-    __slots__ = ("index", "detok", "stops", "filter", "tokens", "finish", "usage", "timings")
+    __slots__ = ("index", "detok", "stops", "filter", "tools", "tokens", "finish", "usage", "timings")
 
     def __init__(
         self,
@@ -49,11 +54,13 @@ class Choice:
         detok: IncrementalDetokenizer,
         stops: StopMatcher,
         output_filter: OutputFilter | None,
+        tools: ToolParser | None = None,
     ) -> None:
         self.index = index
         self.detok = detok
         self.stops = stops
         self.filter = output_filter
+        self.tools = tools
         self.tokens = 0
         self.finish: FinishReason | None = None
         self.usage: Usage | None = None
@@ -72,8 +79,8 @@ class Choice:
             return max(self.usage.completion_tokens, self.tokens)
         return self.tokens
 
-    async def feed(self, out: RequestOutput) -> tuple[str, FinishReason | None]:
-        """Feed one output of this choice: ``(text safe to send, finish reason or None)``.
+    async def feed(self, out: RequestOutput) -> tuple[str, list[ToolCallDelta], FinishReason | None]:
+        """Feed one output of this choice: ``(text safe to send, tool-call pieces, finish reason or None)``.
 
         Raises:
             BackendUnavailable: 503, the backend aborted the choice.
@@ -106,6 +113,15 @@ class Choice:
             text = await self.filter.step(text, fin is not None)
             if self.filter.cut:
                 fin = "content_filter"
+        calls: list[ToolCallDelta] = []
+        if self.tools is not None:
+            if text:
+                text, calls = self.tools.feed(text)
+            if fin is not None:
+                tail, more = self.tools.finish()
+                text, calls = text + tail, calls + more
+                if fin == "stop" and self.tools.calls and not self.tools.incomplete:
+                    fin = "tool_calls"
         if fin is not None:
             self.finish = fin
-        return text, fin
+        return text, calls, fin

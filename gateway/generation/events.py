@@ -34,8 +34,9 @@ from typing import Literal, Protocol
 import msgspec
 
 from backend.protocol import TokenLogprob
+from gateway.tools.parser import ToolCallDelta
 
-FinishReason = Literal["stop", "length", "content_filter"]
+FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 
 
 class Started(msgspec.Struct, tag="started", frozen=True, kw_only=True):
@@ -49,12 +50,15 @@ class Started(msgspec.Struct, tag="started", frozen=True, kw_only=True):
 
 class TextDelta(msgspec.Struct, tag="text", frozen=True, kw_only=True):
     """New text of choice ``index``. ``tokens``: tokens generated for it since the last delta (the text may be
-    empty while a stop string is held back). ``logprobs``: one entry per token when logprobs were asked."""
+    empty while a stop string is held back). ``logprobs``: one entry per token when logprobs were asked.
+    ``tool_calls``: pieces of tool calls parsed out of the output (``text`` is then the plain content
+    only): the first piece of a call has its id and name, later ones argument fragments."""
 
     index: int
     text: str
     tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCallDelta] = []
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -63,7 +67,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 class ChoiceFinished(msgspec.Struct, tag="finish", frozen=True, kw_only=True):
     """Choice ``index`` is over. ``reason``: stop (EOS, stop token or stop string), length (max_tokens or the
-    context), content_filter (an output filter cut it; ``content_filter_results`` says why).
+    context), content_filter (an output filter cut it; ``content_filter_results`` says why), tool_calls
+    (the output ended with complete tool calls).
     ``completion_tokens``: tokens billed for this choice. ``timings``: of this choice (ns)."""
 
     index: int

@@ -17,16 +17,25 @@ Fields:
     prompt_log: the prompt as the client sent it (messages or text), for the access log with
         ``--log-content`` only.
     t_arrival: ``time.perf_counter()`` at arrival (TTFT and total durations start here).
+    grammar: the constraint the backend enforces on every choice (checked already), or None.
+    grammar_param: the request parameter the grammar came from (named by errors about it).
+    tools: the request's tool plan (``gateway.tools.spec.ToolPlan``), or None.
+    tool_parser: makes one choice's tool-call parser; None: the output is plain content.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from auth.principal import Principal
-from backend.protocol import SamplingParams
+from backend.protocol import Grammar, SamplingParams
+
+if TYPE_CHECKING:
+    from gateway.tools.parser import ToolParser
+    from gateway.tools.spec import ToolPlan
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
@@ -42,6 +51,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     principal: Principal | None = None
     prompt_log: Any = None
     t_arrival: float = 0.0
+    grammar: Grammar | None = None
+    grammar_param: str | None = None
+    tools: ToolPlan | None = None
+    tool_parser: Callable[[], ToolParser] | None = None
 
     @property
     def tenant_id(self) -> str:

@@ -32,10 +32,10 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
 
-from backend.protocol import RequestOutput, Submit
+from backend.protocol import FEATURE_GRAMMAR, RequestOutput, Submit
 from gateway.backends.request import RequestHandle
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import APIError, InternalError
+from gateway.errors import APIError, InternalError, InvalidRequest
 from gateway.generation.choice import Choice
 from gateway.generation.events import (
     ChoiceFinished,
@@ -87,6 +87,7 @@ class _Run:
                 IncrementalDetokenizer(tok.id_to_bytes, tok.special_ids),
                 StopMatcher(req.stops, include_stop_str_in_output=req.include_stop),
                 make_filter() if make_filter is not None else None,
+                req.tool_parser() if req.tool_parser is not None else None,
             )
             for i in range(req.sampling.n)
         ]
@@ -178,12 +179,20 @@ class _Run:
     async def _generate(self, headers: dict[str, str]) -> None:
         client = await self.gw.pool.pick()
         req = self.req
+        if req.grammar is not None and FEATURE_GRAMMAR not in client.ready.features:
+            param = req.grammar_param or "response_format"
+            raise InvalidRequest(
+                f"'{param}' is not supported by the inference backend serving {req.model!r}.",
+                param=param,
+                code="unsupported_parameter",
+            )
         submit = Submit(
             request_id=req.request_id,
             prompt_ids=req.prompt_ids,
             sampling=req.sampling,
             cache_salt=req.tenant_id,
             arrival_time=time.time(),
+            grammar=req.grammar,
         )
         with client.open_request(submit) as handle:
             self.handle, self.t_submit = handle, handle.submitted_at
@@ -216,7 +225,7 @@ class _Run:
         ch = self.choices[out.index] if 0 <= out.index < len(self.choices) else None
         if ch is None or ch.finish is not None:
             return  # a choice the gateway already ended (its final "abort" output)
-        text, fin = await ch.feed(out)
+        text, calls, fin = await ch.feed(out)
         if out.usage is not None:
             self.cached_tokens = max(self.cached_tokens or 0, out.usage.cached_tokens)
         if out.new_token_ids and self.t_first is None:
@@ -224,11 +233,13 @@ class _Run:
         if fin is not None and out.finish_reason is None and len(self.choices) > 1:
             handle.abort_choice(ch.index)  # the gateway ended it; the backend would go on decoding it
         lps = out.logprobs if self.req.sampling.logprobs and out.logprobs else None
-        if out.new_token_ids or text or lps:
+        if out.new_token_ids or text or lps or calls:
             await self.sink.emit(
-                TextDelta(index=ch.index, text=text, tokens=len(out.new_token_ids), logprobs=lps)
+                TextDelta(
+                    index=ch.index, text=text, tokens=len(out.new_token_ids), logprobs=lps, tool_calls=calls
+                )
             )
-            if text and self.t_first_sent is None and self.req.stream:
+            if (text or calls) and self.t_first_sent is None and self.req.stream:
                 self.t_first_sent = time.perf_counter()
         if fin is not None:
             self.open -= 1

@@ -25,9 +25,12 @@ from gateway.openai.schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCallOut,
     TokenLogprobOut,
+    ToolCallOut,
 )
 from gateway.streaming import ResponseWriter
+from gateway.tools.assemble import ToolCallAssembler
 
 
 class _BodyRenderer(OpenAIRenderer):
@@ -37,6 +40,7 @@ class _BodyRenderer(OpenAIRenderer):
         super().__init__(names, req, w)
         self.parts: list[list[str]] = [[] for _ in range(self.n)]
         self.chars = [0] * self.n  # characters gathered per choice
+        self.calls = [ToolCallAssembler() for _ in range(self.n)]
 
     def text(self, index: int) -> str:
         return "".join(self.parts[index])
@@ -54,6 +58,8 @@ class _BodyRenderer(OpenAIRenderer):
             if event.text:
                 self.parts[event.index].append(event.text)
                 self.chars[event.index] += len(event.text)
+            if event.tool_calls:
+                self.calls[event.index].add(event.tool_calls)
         elif isinstance(event, ChoiceFinished):
             self.reasons[event.index] = event.reason
         elif isinstance(event, Started):
@@ -72,11 +78,22 @@ class ChatBody(_BodyRenderer):
     def add_logprobs(self, ev: TextDelta) -> None:
         self.lps[ev.index].extend(chat_logprobs(self.names, ev.logprobs or [], self.k))
 
+    def message(self, i: int) -> ChatMessageOut:
+        """Choice ``i``'s message: its text, and its tool calls when it made any (content null when the
+        model wrote nothing but calls, as OpenAI)."""
+        text = self.text(i)
+        if not self.calls[i]:
+            return ChatMessageOut("assistant", text, None)
+        calls = [
+            ToolCallOut(c.id, "function", FunctionCallOut(c.name, c.arguments)) for c in self.calls[i].calls()
+        ]
+        return ChatMessageOut("assistant", text if text.strip() else None, None, calls)
+
     def body(self, ev: Completed) -> ChatCompletion:
         choices = [
             ChatChoiceOut(
                 i,
-                ChatMessageOut("assistant", self.text(i)),
+                self.message(i),
                 ChoiceLogprobs(self.lps[i]) if self.logprobs else None,
                 self.reasons[i],
             )

@@ -19,9 +19,10 @@ import uuid
 from typing import Literal
 
 from auth.principal import Principal
-from backend.protocol import SamplingParams
+from backend.protocol import Grammar, SamplingParams
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.generation.request import GenerationRequest
+from gateway.openai.constraints import chat_constraints
 from gateway.openai.schemas import ChatRequest, CompletionRequest, SamplingFields
 from gateway.openai.validation import validate_chat, validate_completion
 from gateway.state import Gateway
@@ -162,9 +163,12 @@ async def prepare_chat(
     api: Api,
     t_arrival: float,
     request_id: str | None = None,
+    constraint: tuple[Grammar, str] | None = None,
 ) -> GenerationRequest:
     """A chat request, validated, filtered, templated and tokenized (``request_id`` defaults to
-    ``chatcmpl-`` + 32 hex digits).
+    ``chatcmpl-`` + 32 hex digits). ``constraint``: a grammar and the parameter it came from, given by an
+    API translated into a ``ChatRequest`` (Ollama's ``format``); tools and ``response_format`` are resolved
+    by ``gateway.openai.constraints``.
 
     Raises:
         NotFound: 404 unknown model. ServiceUnavailable: 503 no backend ready (no model card).
@@ -178,12 +182,14 @@ async def prepare_chat(
     messages = req.messages
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
+    cons = await chat_constraints(gw, req, messages, constraint)
     try:
         rendered = await gw.tokenize(
             lambda: gw.template.render(
-                messages,
+                cons.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
+                tools=cons.tools,
             ),
             prompt_chars(messages),
         )
@@ -191,7 +197,7 @@ async def prepare_chat(
         raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
     ids = rendered.ids
     max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length, max_param=max_param)
-    return _generation(
+    gen = _generation(
         req,
         prefix="chatcmpl-",
         request_id=request_id,
@@ -204,6 +210,9 @@ async def prepare_chat(
         prompt_log=messages,
         t_arrival=t_arrival,
     )
+    gen.grammar, gen.grammar_param = cons.grammar, cons.grammar_param
+    gen.tools, gen.tool_parser = cons.plan, cons.parser
+    return gen
 
 
 async def _completion_prompt(

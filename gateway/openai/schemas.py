@@ -3,7 +3,18 @@
 Requests are decoded straight into typed structs: a wrong JSON type becomes
 ``InvalidRequest`` (400) whose ``param`` is the JSON path msgspec reports
 (e.g. ``messages[0].role``); range checks follow in ``validate_*`` and name
-the parameter too (``gateway.openai.validation``). Unknown fields are ignored (as OpenAI does).
+the parameter too (``gateway.openai.validation``).
+
+Unknown fields, as OpenAI and not as vLLM: the structs below are the allow-list. A top-level field not
+in them is a 400 ``unknown_parameter`` naming it ("Unrecognized request argument supplied: x"). The
+list holds every field served (OpenAI's, and the vLLM extras implemented: top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
+continue_final_message, add_generation_prompt, structured_outputs), the OpenAI fields that change
+nothing here (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``), and the OpenAI fields not served (``audio``, ``modalities`` other than
+``["text"]``, ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``, legacy
+``functions``/``function_call``): those are a 400 ``unsupported_parameter`` when given
+(``gateway.openai.validation``). Members of ``messages`` are the chat template's business.
 
 Responses (chunks, completions) are structs as well so that encoding a chunk
 is one ``msgspec.json`` call. ``ChunkChoice`` never omits ``finish_reason`` or
@@ -29,11 +40,12 @@ from gateway.errors import InvalidRequest
 # ----------------------------------------------------------------------------- requests
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI: padding against side channels; chunks here carry none
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
@@ -52,6 +64,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # accepted, change nothing here (OpenAI bookkeeping and routing hints)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -65,13 +83,20 @@ class ChatRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
-    # Decoded so that a request using them gets a 400 (``validate_chat``) instead of being answered as if
-    # they were absent: tool calls and structured output are not served yet.
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by gateway.tools.spec.parse_tools
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # gateway.structured.formats
+    structured_outputs: dict[str, Any] | None = None  # vLLM extra
+    # known OpenAI fields that are not served: a 400 unsupported_parameter when given (validate_chat)
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -83,6 +108,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 _PATH_RE = re.compile(r"at `\$\.?(.*)`")
+_UNKNOWN_RE = re.compile(r"unknown field `([^`]*)`")
 _MISSING_RE = re.compile(r"missing required field `([^`]*)`")
 
 
@@ -93,6 +119,12 @@ def _decode(body: bytes, typ: type) -> Any:
         msg = str(exc)
         m = _PATH_RE.search(msg)
         param = m.group(1).replace("[...]", "") if m else None  # "logit_bias[...]": a value of that map
+        unknown = _UNKNOWN_RE.search(msg)
+        if unknown:  # OpenAI: "Unrecognized request argument supplied: x"
+            field = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {field}", param=field, code="unknown_parameter"
+            ) from None
         missing = _MISSING_RE.search(msg)
         if missing:  # OpenAI: "Missing required parameter: 'messages'." param = the missing field
             field = missing.group(1)
@@ -134,9 +166,25 @@ def decode_completion(body: bytes) -> CompletionRequest:
 # ----------------------------------------------------------------------------- responses
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    """``delta.tool_calls[]``: the first chunk of a call has ``id``, ``type`` and ``function.name``
+    (``arguments`` ""), the next ones ``function.arguments`` fragments only."""
+
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -191,10 +239,25 @@ class ChatChunk(msgspec.Struct, omit_defaults=True, kw_only=True):
     timings: dict[str, Any] | None = None
 
 
-class ChatMessageOut(msgspec.Struct):
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    type: str  # "function"
+    function: FunctionCallOut
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
+    """``message``: ``tool_calls`` only when the choice called tools (``content`` is then null unless the
+    model also wrote text)."""
+
     role: str
     content: str | None
-    refusal: None = None
+    refusal: None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoiceOut(msgspec.Struct):

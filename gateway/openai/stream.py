@@ -6,7 +6,8 @@ Bytes per event (OpenAI "The chat completion chunk object"; SSE framing in ``gat
   "assistant", content: ""}`` for every choice), sent in the same write as the first content, or at once
   when the backend has not answered yet (``Started.waiting``) or before the first heartbeat.
 * ``TextDelta`` with text or logprobs: one chunk ``delta: {content}`` (chat) or ``text`` (completions),
-  ``finish_reason: null``.
+  ``finish_reason: null``; with tool-call pieces ``delta: {tool_calls: [{index, id, type, function: {name,
+  arguments}}]}`` (id, type and name on a call's first piece only; then ``function.arguments`` fragments).
 * ``Heartbeat``: the comment ``: ping``.
 * ``ChoiceFinished``: one chunk with an empty delta, the ``finish_reason`` and that choice's ``timings``
   (extension, ns); ``content_filter_results`` (Azure OpenAI) when a filter cut it.
@@ -29,6 +30,8 @@ from gateway.openai.schemas import (
     Completion,
     CompletionChoice,
     Delta,
+    FunctionDelta,
+    ToolCallChunk,
     UsageOut,
     encode,
 )
@@ -73,7 +76,7 @@ class _SSERenderer(OpenAIRenderer):
 
     async def emit(self, event: Event) -> None:
         if isinstance(event, TextDelta):
-            if event.text or event.logprobs:
+            if event.text or event.logprobs or event.tool_calls:
                 await self._send(self.delta(event))
         elif isinstance(event, ChoiceFinished):
             self.reasons[event.index] = event.reason
@@ -104,7 +107,20 @@ class ChatStream(_SSERenderer):
         lp = None
         if ev.logprobs is not None:
             lp = ChoiceLogprobs(chat_logprobs(self.names, ev.logprobs, self.k))
-        return encode(self.chat_chunk([ChunkChoice(ev.index, Delta(content=ev.text), lp, None)]))
+        if ev.tool_calls:
+            calls = [
+                ToolCallChunk(
+                    d.index,
+                    FunctionDelta(name=d.name, arguments=d.arguments),
+                    id=d.id,
+                    type="function" if d.id is not None else None,
+                )
+                for d in ev.tool_calls
+            ]
+            delta = Delta(content=ev.text or None, tool_calls=calls)
+        else:
+            delta = Delta(content=ev.text)
+        return encode(self.chat_chunk([ChunkChoice(ev.index, delta, lp, None)]))
 
     def chunk(
         self, index: int | None, *, usage: UsageOut | None = None, timings: dict[str, int] | None = None

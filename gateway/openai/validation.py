@@ -1,5 +1,5 @@
-"""Range checks of the OpenAI requests: 400 ``invalid_value`` (``unsupported_parameter`` for echo/suffix)
-naming the parameter, before any prompt hook, template or byte sent.
+"""Range checks of the OpenAI requests: 400 ``invalid_value`` (``unsupported_parameter`` for echo/suffix
+and the OpenAI fields not served) naming the parameter, before any prompt hook, template or byte sent.
 
 The sampling ranges are the backend's (``backend.sampling_rules``: the engine applies the same rules to
 every frame). What only the API has is checked here too: the ``seed`` range before its reduction mod 2**63,
@@ -108,21 +108,28 @@ def _unsupported(param: str, what: str) -> InvalidRequest:
     return InvalidRequest(f"'{param}' is not supported: {what}.", param=param, code="unsupported_parameter")
 
 
+_UNSERVED = {
+    "functions": "use 'tools'",
+    "function_call": "use 'tool_choice'",
+    "audio": "this server generates text only",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "this server does not search the web",
+    "reasoning_effort": "the model does not reason in hidden tokens",
+    "verbosity": "not served",
+}
+
+
 def _refuse_unserved(req: ChatRequest) -> None:
-    """Tool calls and structured output are not served: a request asking for them is a 400
-    ``unsupported_parameter`` naming the field, never a plain-text answer as if it were absent. Values that
-    ask for nothing pass: ``tool_choice``/``function_call`` "none", ``response_format`` of type "text"."""
-    if req.tools:
-        raise _unsupported("tools", "this server does not call tools")
-    if req.functions:
-        raise _unsupported("functions", "this server does not call functions")
-    if req.tool_choice is not None and req.tool_choice != "none":
-        raise _unsupported("tool_choice", "this server does not call tools")
-    if req.function_call is not None and req.function_call != "none":
-        raise _unsupported("function_call", "this server does not call functions")
-    rf = req.response_format
-    if rf is not None and rf.get("type", "text") != "text":
-        raise _unsupported("response_format", f"type {str(rf.get('type'))[:40]!r} (only 'text' is served)")
+    """Known OpenAI fields that are not served are a 400 ``unsupported_parameter`` naming the field, never
+    answered as if absent. Values that ask for nothing pass: ``function_call`` "none", ``modalities``
+    ``["text"]``."""
+    for name, why in _UNSERVED.items():
+        value = getattr(req, name)
+        if value is None or (name == "function_call" and value == "none"):
+            continue
+        raise _unsupported(name, why)
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise _unsupported("modalities", "this server generates text only (['text'])")
 
 
 def validate_completion(req: CompletionRequest, *, vocab_size: int) -> None:
