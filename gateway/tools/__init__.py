@@ -1,0 +1,22 @@
+"""Tool calling for models whose chat template has none: OpenAI ``tools`` -> a ``ToolPlan`` (``spec``),
+a format's prompt text, llguidance grammar and streaming output parser (``parser`` interfaces, Hermes
+``<tool_call>`` blocks in ``hermes``). See ``docs/tools.md``."""
+
+from gateway.tools.hermes import HermesFormat, HermesParser
+from gateway.tools.parser import ToolCall, ToolCallDelta, ToolFormat, ToolParser, new_call_id, tool_format
+from gateway.tools.spec import FunctionTool, ToolMode, ToolPlan, parse_tools
+
+__all__ = [
+    "FunctionTool",
+    "ToolMode",
+    "ToolPlan",
+    "parse_tools",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "ToolFormat",
+    "tool_format",
+    "new_call_id",
+    "HermesFormat",
+    "HermesParser",
+]
