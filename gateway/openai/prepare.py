@@ -27,6 +27,7 @@ from gateway.openai.schemas import ChatRequest, CompletionRequest, SamplingField
 from gateway.openai.validation import validate_chat, validate_completion
 from gateway.state import Gateway
 from gateway.stops import normalize_stop
+from gateway.structured import formats
 from templating.errors import TemplateError
 
 Api = Literal["openai", "ollama"]
@@ -255,9 +256,11 @@ async def prepare_completion(
     api: Api,
     t_arrival: float,
     request_id: str | None = None,
+    constraint: tuple[Grammar, str] | None = None,
 ) -> GenerationRequest:
     """A legacy completion request, validated, filtered and tokenized (``request_id`` defaults to
-    ``cmpl-`` + 32 hex digits). ``max_tokens`` defaults to 16 (OpenAI).
+    ``cmpl-`` + 32 hex digits). ``max_tokens`` defaults to 16 (OpenAI). The output is constrained by
+    vLLM's ``structured_outputs``, or by ``constraint`` (a grammar and its parameter, from a translated API).
 
     Raises:
         NotFound, ServiceUnavailable, InvalidRequest, ContextLengthExceeded, ContentFiltered: as
@@ -268,10 +271,15 @@ async def prepare_completion(
     validate_completion(req, vocab_size=_vocab_size(gw))
     stops = normalize_stop(req.stop)
     lp = req.logprobs
+    so = formats.from_structured_outputs(req.structured_outputs)
+    if constraint is None and so is not None:
+        constraint = (so, "structured_outputs")
+    if constraint is not None:
+        await gw.grammars.check(*constraint)
     ids, prompt_log = await _completion_prompt(gw, req, principal)
     requested = 16 if req.max_tokens is None else req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, card.context_length, prompt_param="prompt")
-    return _generation(
+    gen = _generation(
         req,
         prefix="cmpl-",
         request_id=request_id,
@@ -284,3 +292,6 @@ async def prepare_completion(
         prompt_log=prompt_log,
         t_arrival=t_arrival,
     )
+    if constraint is not None:
+        gen.grammar, gen.grammar_param = constraint
+    return gen

@@ -105,6 +105,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM extra (gateway.structured.formats)
 
 
 _PATH_RE = re.compile(r"at `\$\.?(.*)`")
