@@ -10,16 +10,21 @@ Measures, on one ``Engine`` over one ``ModelRunner``:
   warm-up prompt of the same length under another salt), then again with its prefix cached
   (same cache salt);
 * engine overhead per step (schedule + batch building + sampling + outputs,
-  i.e. step time minus ``ModelRunner.execute``), milliseconds.
+  i.e. step time minus ``ModelRunner.execute``), milliseconds;
+* structured output (``--grammar-seqs``, default 32): aggregate decode with half of the sequences
+  constrained by a JSON schema (``GRAMMAR_SCHEMA``, long enough never to complete within the output), next
+  to the same run unconstrained; the grammar mask time per step (p50/p99) and the cold compile time of
+  the 12 schemas in ``tests/data/structured_schemas.json`` (p50/p99).
 
 Floors checked (ratios inside one run, so machine load cancels out):
-aggregate decode at 32 sequences >= 8x single-stream; cached TTFT <= 0.1x cold.
+aggregate decode at 32 sequences >= 8x single-stream; cached TTFT <= 0.1x cold; half-constrained
+aggregate decode >= 0.9x unconstrained.
 
 Usage::
 
     python bench/engine.py [--dtype bfloat16|float32|float16] [--device cpu|cuda]
         [--concurrency 1,8,32,64] [--prompt-len 128] [--output-len 128]
-        [--long-prompt 2000] [--threads N] [--no-append]
+        [--long-prompt 2000] [--grammar-seqs 32] [--threads N] [--no-append]
 
 Prints a table and appends the run to docs/perf.md (date, machine, command, numbers).
 """
@@ -43,7 +48,31 @@ import torch  # noqa: E402
 from backend.engine import Engine  # noqa: E402
 from backend.model_path import DEFAULT_DTYPE, default_model_path  # noqa: E402
 from backend.model_runner import ModelRunner  # noqa: E402
-from backend.protocol import SamplingParams, Submit  # noqa: E402
+from backend.protocol import Grammar, SamplingParams, Submit, grammar_key  # noqa: E402
+
+# A schema the output keeps following for the whole run (64 items needed): realistic masks (keys, enums,
+# integers, bounded strings) on every step.
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "notes": {
+            "type": "array",
+            "minItems": 64,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                    "tag": {"enum": ["todo", "done", "later"]},
+                    "text": {"type": "string", "maxLength": 40},
+                },
+                "required": ["id", "tag", "text"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["notes"],
+    "additionalProperties": False,
+}
 
 
 def rand_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -52,9 +81,16 @@ def rand_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def decode_run(
-    engine: Engine, n: int, prompt_len: int, output_len: int, rng: random.Random, tag: str
+    engine: Engine,
+    n: int,
+    prompt_len: int,
+    output_len: int,
+    rng: random.Random,
+    tag: str,
+    grammar: Grammar | None = None,
+    constrained: int = 0,
 ) -> dict:
-    """Run ``n`` concurrent requests; time decode-only steps."""
+    """Run ``n`` concurrent requests (the first ``constrained`` under ``grammar``); time decode-only steps."""
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(n):
         err = engine.add_request(
@@ -63,9 +99,12 @@ def decode_run(
                 prompt_ids=rand_prompt(rng, prompt_len, engine.vocab_size),
                 sampling=sp,
                 cache_salt=tag,
+                grammar=grammar if i < constrained else None,
             )
         )
         assert err is None, err
+    while engine.compiling:  # start timing once every grammar is ready
+        engine.step()
     dec_tokens = 0
     dec_time = 0.0
     steps = 0
@@ -110,6 +149,48 @@ def ttft(engine: Engine, prompt: list[int], salt: str, rid: str) -> tuple[float,
     return first or 0.0, cached
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def grammar_runs(engine: Engine, args: argparse.Namespace, rng: random.Random) -> dict:
+    """The structured-output rows: unconstrained vs half-constrained decode, mask and compile times."""
+    import json
+
+    src = json.dumps(GRAMMAR_SCHEMA)
+    grammar = Grammar(kind="json_schema", source=src, key=grammar_key("json_schema", src))
+    n = args.grammar_seqs
+    decode_run(engine, 2, 32, 8, rng, "gwarm", grammar, 1)  # builds the vocabulary and compiles once
+    if engine.masks is not None:
+        engine.masks.mask_time_s.clear()
+    plain = decode_run(engine, n, args.prompt_len, args.output_len, rng, "gplain")
+    mixed = decode_run(engine, n, args.prompt_len, args.output_len, rng, "gmixed", grammar, n // 2)
+    masks = engine.masks.mask_time_s if engine.masks is not None else []
+    schemas = json.loads((ROOT / "tests" / "data" / "structured_schemas.json").read_text())
+    compiler = engine._compiler()  # its vocabulary is built; the 12 schemas are not in its cache yet
+    times = []
+    for item in schemas:
+        text = json.dumps(item["schema"])
+        t = time.perf_counter()
+        compiler.compile(Grammar(kind="json_schema", source=text, key=grammar_key("json_schema", text)))
+        times.append(time.perf_counter() - t)
+    print(
+        f"  grammar: {plain['decode_tok_s']:.1f} plain vs {mixed['decode_tok_s']:.1f} half-constrained tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "plain": plain["decode_tok_s"],
+        "mixed": mixed["decode_tok_s"],
+        "mask_p50": _pct(masks, 0.5),
+        "mask_p99": _pct(masks, 0.99),
+        "compile_p50": _pct(times, 0.5),
+        "compile_p99": _pct(times, 0.99),
+        "schemas": len(times),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -121,6 +202,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--grammar-seqs", type=int, default=32, help="0: skip the structured-output run")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-append", action="store_true", help="do not append to docs/perf.md")
     args = ap.parse_args()
@@ -159,6 +241,7 @@ def main() -> int:
             flush=True,
         )
     single = next((r["decode_tok_s"] for r in rows if r["seqs"] == 1), None)
+    gram = grammar_runs(engine, args, rng) if args.grammar_seqs > 0 else None
 
     # warm the long-prefill code path once (oneDNN primitives for the chunk shapes, allocator growth) with
     # another prompt under another cache salt: "cold" below means no prefix-cache hit, not a cold process
@@ -181,6 +264,24 @@ def main() -> int:
     lines.append(f"| TTFT cold ({args.long_prompt} tokens) | {cold * 1000:.0f} ms |")
     lines.append(f"| TTFT prefix cached ({cached} tokens from cache) | {warm * 1000:.0f} ms |")
     floors = []
+    if gram is not None:
+        g = args.grammar_seqs
+        lines.append(f"| aggregate decode tok/s, {g} seqs unconstrained (same run) | {gram['plain']:.1f} |")
+        lines.append(
+            f"| aggregate decode tok/s, {g} seqs, {g // 2} JSON-schema constrained | {gram['mixed']:.1f} |"
+        )
+        lines.append(
+            f"| grammar mask time per step, {g // 2} constrained rows: p50 / p99 (ms) | "
+            f"{gram['mask_p50'] * 1000:.2f} / {gram['mask_p99'] * 1000:.2f} |"
+        )
+        lines.append(
+            f"| grammar compile, {gram['schemas']} schemas cold: p50 / p99 (ms) | "
+            f"{gram['compile_p50'] * 1000:.1f} / {gram['compile_p99'] * 1000:.1f} |"
+        )
+        ratio = gram["mixed"] / gram["plain"] if gram["plain"] else 0.0
+        floors.append(
+            f"half-constrained / unconstrained decode = {ratio:.2f} (floor 0.9: {'PASS' if ratio >= 0.9 else 'FAIL'})"
+        )
     r32 = next((r["decode_tok_s"] for r in rows if r["seqs"] == 32), None)
     if single and r32:
         ratio = r32 / single
