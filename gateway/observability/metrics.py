@@ -57,7 +57,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + REQUEST_LATENCY_BUCKETS
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
-FINISH_REASONS = ("stop", "length", "abort", "error", "content_filter")
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error", "content_filter")
 
 
 class GatewayMetrics:
@@ -177,7 +177,7 @@ class GatewayMetrics:
         )
         self.request_success = Counter(
             P + "request_success",
-            "Requests that reached the backend, by finish reason (stop, length, abort, error, content_filter).",
+            "Requests that reached the backend, by finish reason (stop, length, tool_calls, abort, error, content_filter).",
             t + ["finished_reason"],
             registry=r,
         )
