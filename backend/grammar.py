@@ -45,7 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from backend.protocol import Grammar
+from backend.protocol import Grammar, grammar_key
 
 MAX_GRAMMAR_BYTES = 1024 * 1024  # bytes of Grammar.source the backend compiles at most
 CACHE_SIZE = 128  # compiled grammars kept (LRU by Grammar.key)
@@ -178,7 +178,7 @@ class GrammarCompiler:
     def compile(self, grammar: Grammar) -> object:
         """A fresh matcher for ``grammar`` (a copy of the cached compiled one). Raises ``GrammarError``."""
         tok = self.tokenizer()
-        key = grammar.key or f"{grammar.kind}:{hash(grammar.source)}"
+        key = grammar_key(grammar.kind, grammar.source)  # computed here: a sender's key is not trusted
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:

@@ -340,6 +340,7 @@ def sample(
             top: list[tuple[int, float]] = []
             if k > 0:
                 vals, ids = torch.topk(row, k)
-                top = list(zip(ids.tolist(), vals.tolist()))
+                # a grammar may allow fewer than k tokens: the masked ones (-inf) are not alternatives
+                top = [(t, v) for t, v in zip(ids.tolist(), vals.tolist()) if v != float("-inf")]
             out_lp[i] = TokenLogprob(tokens[i], float(row[tokens[i]].item()), top)
     return tokens, out_lp

@@ -438,11 +438,6 @@ def test_logprobs_are_those_of_the_masked_distribution(runner, compiler, person_
         assert G.finished(m) or len(toks) == LP.max_tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="backend/sampling.py sample(): torch.topk(raw_row, k) on a masked row returns grammar-forbidden "
-    "tokens with logprob -inf when fewer than top_logprobs tokens are allowed",
-)
 def test_top_logprobs_never_report_forbidden_tokens(runner, compiler, tk, color_prompt):
     """regex ``blue`` allows fewer than 5 tokens at every step ("b", "bl", "blu", "blue", ...): with
     top_logprobs=5 the alternatives should be allowed tokens only (all finite), not forbidden ones
