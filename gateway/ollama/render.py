@@ -5,13 +5,21 @@ Shapes follow Ollama's docs/api.md (https://github.com/ollama/ollama/blob/main/d
 completion" and "Generate a chat completion", and what the official ``ollama`` Python client parses:
 
     piece  {"model", "created_at", "message": {"role": "assistant", "content"} | "response", "done": false}
+    call   a chat piece whose message is {"role": "assistant", "content": "", "tool_calls": [CALL]}
     final  the piece with "done": true, "done_reason" (stop | length | content_filter) and the statistics
     error  {"error": message, "type": OpenAI error type, "code": OpenAI error code}
 
-A stream (``application/x-ndjson``) is one piece per text delta of choice 0, then the final object (its text
-empty); a non-stream answer is the final object holding the whole text. Each object is compact JSON and one
-line (``\\n``-terminated). An error before the answer started is the error object with the error's HTTP
-status and headers; after it, one final error line ends the stream.
+    CALL   {"id": "call_...", "function": {"name": str, "arguments": <JSON object>}} (Ollama's
+           ``Message.ToolCall``; "Chat request (with tools)")
+
+A stream (``application/x-ndjson``) is one piece per text delta of choice 0, one call piece per tool call
+once the call is complete (the next call began, or the choice ended), then the final object (its text
+empty); a non-stream answer is the final object holding the whole text, and ``message.tool_calls`` when
+the model called tools. A call whose arguments are not a JSON object (cut off by ``num_predict``) is left
+out (``gateway.ollama.tools.ollama_call``). done_reason is "stop" for an answer that ended in tool calls,
+as in Ollama (OpenAI's "tool_calls"). Each object is compact JSON and one line (``\\n``-terminated). An
+error before the answer started is the error object with the error's HTTP status and headers; after it,
+one final error line ends the stream.
 
 Statistics, integers (durations in nanoseconds, from ``Completed``):
     total_duration        gateway arrival -> end of the run
@@ -36,7 +44,9 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import APIError
 from gateway.generation.events import ChoiceFinished, Completed, Event, Started, TextDelta
+from gateway.ollama.tools import ollama_call
 from gateway.streaming import ResponseWriter
+from gateway.tools.assemble import ToolCallAssembler
 
 Kind = Literal["chat", "generate"]
 
@@ -127,10 +137,22 @@ class OllamaRenderer:
         self.t_arrival = t_arrival
         self.headers: dict[str, str] = {}
         self.reason = "stop"
+        self.calls = ToolCallAssembler()  # choice 0's tool calls
+        self.calls_sent = 0  # calls handed to ``tool_calls`` so far
 
-    def final(self, text: str, done: Completed) -> bytes:
-        """The final object's line: ``text``, done, done_reason and the statistics."""
+    def ready_calls(self, finished: bool) -> list[dict[str, Any]]:
+        """Ollama CALLs complete since the last time (all of them once ``finished``)."""
+        calls = self.calls.calls()
+        end = len(calls) if finished else max(0, len(calls) - 1)
+        out = [c for c in map(ollama_call, calls[self.calls_sent : end]) if c is not None]
+        self.calls_sent = max(self.calls_sent, end)
+        return out
+
+    def final(self, text: str, done: Completed, calls: list[dict[str, Any]] | None = None) -> bytes:
+        """The final object's line: ``text`` (and ``calls``), done, done_reason and the statistics."""
         obj = piece(self.kind, self.model, text, True)
+        if calls:
+            obj["message"]["tool_calls"] = calls
         obj["done_reason"] = self.reason
         obj.update(msgspec.structs.asdict(final_stats(done, self.t_arrival)))
         return line(obj)
@@ -142,9 +164,14 @@ class OllamaRenderer:
         elif isinstance(event, TextDelta):
             if event.index == 0 and event.text:
                 await self.text(event.text)
+            if event.index == 0 and event.tool_calls:
+                self.calls.add(event.tool_calls)
+                await self.tool_calls(self.ready_calls(False))
         elif isinstance(event, ChoiceFinished):
             if event.index == 0:
-                self.reason = event.reason
+                self.reason = "stop" if event.reason == "tool_calls" else event.reason
+                if self.calls:
+                    await self.tool_calls(self.ready_calls(True))
         elif isinstance(event, Completed):
             await self.completed(event)
         # Heartbeat: NDJSON has no comment line; Ended: bookkeeping only
@@ -154,6 +181,9 @@ class OllamaRenderer:
 
     async def text(self, text: str) -> None:
         """New text of choice 0 (never empty)."""
+
+    async def tool_calls(self, calls: list[dict[str, Any]]) -> None:
+        """Tool calls of choice 0 now complete (Ollama CALLs; may be empty)."""
 
     async def completed(self, done: Completed) -> None:
         """The run succeeded: send the final object."""
@@ -178,6 +208,13 @@ class NdjsonStream(OllamaRenderer):
         await self.writer.start(self.headers, media=NDJSON_HEADERS)  # no-op once started
         await self.writer.raw(line(piece(self.kind, self.model, text, False)))
 
+    async def tool_calls(self, calls: list[dict[str, Any]]) -> None:
+        for call in calls:
+            obj = piece(self.kind, self.model, "", False)
+            obj["message"]["tool_calls"] = [call]
+            await self.writer.start(self.headers, media=NDJSON_HEADERS)
+            await self.writer.raw(line(obj))
+
     async def completed(self, done: Completed) -> None:
         await self.writer.start(self.headers, media=NDJSON_HEADERS)
         await self.writer.end(self.final("", done))
@@ -189,12 +226,17 @@ class JsonAnswer(OllamaRenderer):
     def __init__(self, writer: ResponseWriter, *, kind: Kind, model: str, t_arrival: float) -> None:
         super().__init__(writer, kind=kind, model=model, t_arrival=t_arrival)
         self.parts: list[str] = []
+        self.call_list: list[dict[str, Any]] = []
 
     async def text(self, text: str) -> None:
         self.parts.append(text)
 
+    async def tool_calls(self, calls: list[dict[str, Any]]) -> None:
+        self.call_list.extend(calls)
+
     async def completed(self, done: Completed) -> None:
-        await self.writer.json(200, self.final("".join(self.parts), done), self.headers)
+        body = self.final("".join(self.parts), done, self.call_list)
+        await self.writer.json(200, body, self.headers)
 
 
 def renderer(

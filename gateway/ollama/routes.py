@@ -5,9 +5,10 @@ Shapes follow Ollama's docs/api.md (https://github.com/ollama/ollama/blob/main/d
 official ``ollama`` Python client (0.6) parses. A chat or generate body is read with the /v1 size limit
 (413 over ``max_body_bytes``, chunked bodies included: ``gateway.request_body``), translated into a
 ``ChatRequest`` (``translate``), prepared like a /v1 chat request (``prepare_chat``: the same validation,
-prompt hooks, chat template and context checks) and run (``generation_response``: admission, backend,
-output filters, billing), its events rendered by ``render``. So auth, rate limits, filters, templating and
-metrics are those of /v1, and the request is labelled ``api="ollama"`` in metrics and the access log.
+prompt hooks, chat template and context checks; ``format`` as its grammar constraint, ``tools`` as its
+tools) and run (``generation_response``: admission, backend, output filters, billing), its events
+rendered by ``render``. So auth, rate limits, filters, templating and metrics are those of /v1, and the
+request is labelled ``api="ollama"`` in metrics and the access log.
 
 An empty prompt / message list answers at once with done_reason "load" ("unload" with ``keep_alive: 0``),
 as Ollama does. Errors are ``{"error": message, "type", "code"}`` with the /v1 status and headers (the
@@ -28,7 +29,7 @@ from gateway.generation.response import Renderer, generation_response
 from gateway.observability.record import get_record
 from gateway.ollama import models
 from gateway.ollama.render import Kind, error_response, piece, renderer
-from gateway.ollama.translate import load_only, model_name, to_chat_request, unloads
+from gateway.ollama.translate import format_constraint, load_only, model_name, to_chat_request, unloads
 from gateway.openai.prepare import prepare_chat
 from gateway.request_body import decode_json, read_body
 from gateway.state import Gateway
@@ -76,7 +77,14 @@ class OllamaAPI:
             if isinstance(body, dict) and load_only(body, kind):
                 return self._load(body, kind)
             chat = to_chat_request(body, kind)
-            req = await prepare_chat(gw, chat, principal=principal, api="ollama", t_arrival=rec.t_arrival)
+            req = await prepare_chat(
+                gw,
+                chat,
+                principal=principal,
+                api="ollama",
+                t_arrival=rec.t_arrival,
+                constraint=format_constraint(body),
+            )
         except APIError as exc:
             rec.set_error(exc.type, exc.code)
             return error_response(exc)

@@ -1,12 +1,25 @@
 """Ollama request bodies -> the OpenAI ``ChatRequest`` the generation path prepares (``prepare_chat``).
 
 Sources: Ollama's docs/api.md (https://github.com/ollama/ollama/blob/main/docs/api.md), "Generate a chat
-completion" (/api/chat), "Generate a completion" (/api/generate) and "Valid Parameters and Values" of the
-Modelfile docs (``options``); the OpenAI API reference and vLLM's extra sampling parameters on the other side.
+completion" (/api/chat; "Chat request (with tools)", "Chat request (Structured outputs)"), "Generate a
+completion" (/api/generate; "Request (Structured outputs)", "Request (JSON mode)") and "Valid Parameters
+and Values" of the Modelfile docs (``options``); the OpenAI API reference and vLLM's extra sampling
+parameters on the other side.
 
-/api/chat: ``messages`` ({role, content}) as they are. /api/generate: an optional ``system`` message, then
-the ``prompt`` as one user message (the model's chat template applies, as Ollama's non-raw mode does).
-``stream`` defaults to true, as in Ollama; a stream always counts usage (``stream_options.include_usage``).
+/api/chat: ``messages`` ({role, content}, assistant ``tool_calls``, ``tool`` results with ``tool_name``)
+in OpenAI shape (``gateway.ollama.tools``); ``tools`` as they are (OpenAI's shape already). /api/generate:
+an optional ``system`` message, then the ``prompt`` as one user message (the model's chat template
+applies, as Ollama's non-raw mode does). ``stream`` defaults to true, as in Ollama; a stream always counts
+usage (``stream_options.include_usage``).
+
+``format`` (both routes): ``"json"`` (any JSON object) or a JSON Schema object constrains the output
+(``format_constraint``: the grammar goes to ``prepare_chat`` as its ``constraint``, checked there); ``""``
+or null: none. Anything else, or a schema that does not compile (a ``$ref`` cycle...), is a 400 naming
+``format``. A ``tool_choice`` "required" or naming a function takes precedence over ``format``
+(``gateway.openai.constraints``).
+
+``tool_choice`` (extension, not in Ollama): ``options.tool_choice`` or a top-level ``tool_choice``, one of
+"auto" (default), "none", "required" or a function name; see ``gateway.ollama.tools``.
 
 ``options`` mapping: temperature, top_p, top_k, min_p, seed, stop, presence_penalty, frequency_penalty as
 in OpenAI/vLLM; num_predict -> max_tokens (negative: no limit given); repeat_penalty -> repetition_penalty
@@ -14,10 +27,10 @@ in OpenAI/vLLM; num_predict -> max_tokens (negative: no limit given); repeat_pen
 defaults (e.g. temperature 0.8) are not applied: unset options take the /v1 defaults.
 
 Refused with 400 (``InvalidRequest``, ``param`` named): a body that is not an object, a missing ``model``,
-wrong types, images, and the features this gateway does not implement: ``tools``, ``format``, ``think``
-(chat) and ``raw``, ``template``, ``suffix``, ``images``, ``format``, ``context`` (a previous answer's
-token context: not returned, so not accepted), ``think`` (generate). ``keep_alive`` is ignored (it only
-names the answer to a load-only request: see ``load_only``).
+wrong types, images, malformed tools or tool calls, and the features this gateway does not implement:
+``think`` (chat) and ``raw``, ``template``, ``suffix``, ``images``, ``context`` (a previous answer's token
+context: not returned, so not accepted), ``think`` (generate). ``keep_alive`` is ignored (it only names
+the answer to a load-only request: see ``load_only``).
 """
 
 from __future__ import annotations
@@ -26,16 +39,19 @@ from typing import Any, Literal
 
 import msgspec
 
+from backend.protocol import Grammar
 from gateway.errors import InvalidRequest
+from gateway.ollama.tools import History, tool_choice
 from gateway.openai.schemas import ChatRequest, StreamOptions
+from gateway.structured.formats import from_ollama_format
 
 Kind = Literal["chat", "generate"]
 
 _FLOAT_OPTIONS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
 _INT_OPTIONS = ("top_k", "seed", "num_predict")
 _UNSUPPORTED: dict[Kind, tuple[str, ...]] = {
-    "chat": ("tools", "format", "think"),
-    "generate": ("raw", "template", "suffix", "images", "format", "context", "think"),
+    "chat": ("think",),
+    "generate": ("raw", "template", "suffix", "images", "context", "think"),
 }
 
 
@@ -127,6 +143,7 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(msgs, list):
         raise InvalidRequest("messages must be a list", param="messages")
     out: list[dict[str, Any]] = []
+    history = History()
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
@@ -135,7 +152,7 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         content = m.get("content") or ""
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+        out.append(history.message(i, m, content))
     return out
 
 
@@ -153,6 +170,13 @@ def _generate_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return msgs
 
 
+def format_constraint(body: dict[str, Any]) -> tuple[Grammar, str] | None:
+    """The grammar of ``format`` and its parameter name (None: no ``format``), for ``prepare_chat``'s
+    ``constraint``. Raises ``InvalidRequest`` (param ``format``)."""
+    grammar = from_ollama_format(body.get("format"))
+    return None if grammar is None else (grammar, "format")
+
+
 def to_chat_request(body: object, kind: Kind) -> ChatRequest:
     """An Ollama /api/chat (``kind`` "chat") or /api/generate ("generate") body as a ``ChatRequest``.
 
@@ -167,6 +191,7 @@ def to_chat_request(body: object, kind: Kind) -> ChatRequest:
         raise InvalidRequest("stream must be a boolean", param="stream")
     model = model_name(body)
     o = parse_options(body.get("options"))
+    tools = body.get("tools") if kind == "chat" else None
     return ChatRequest(
         model=model,
         messages=messages,
@@ -182,4 +207,6 @@ def to_chat_request(body: object, kind: Kind) -> ChatRequest:
         seed=o.seed,
         max_tokens=o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None,
         stop=o.stop,
+        tools=tools if tools != [] else None,
+        tool_choice=tool_choice(body) if kind == "chat" else None,
     )
