@@ -53,7 +53,7 @@ class StandInGateway:
         return [CARD.name]
 
 
-async def fake_prepare(gw, req, *, principal, api, t_arrival, request_id=None):
+async def fake_prepare(gw, req, *, principal, api, t_arrival, request_id=None, constraint=None):
     body = msgspec.to_builtins(req)
     seen_bodies.append(body)
     return GenerationRequest(
