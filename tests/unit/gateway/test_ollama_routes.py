@@ -149,7 +149,7 @@ async def test_chat_and_generate_with_official_client():
     assert "".join(p.message.content for p in parts) == "Hello there!"
     assert [p.done for p in parts] == [False] * len(WORDS) + [True]
     check_stats(parts[-1])
-    assert seen_bodies[-1]["stream_options"] == {"include_usage": True}
+    assert seen_bodies[-1]["stream_options"]["include_usage"] is True
     r = await c.generate(model="smol", prompt="hi", system="be brief")
     assert r.response == "Hello there!"
     check_stats(r)
