@@ -83,9 +83,17 @@ def from_response_format(rf: Any) -> Grammar | None:
             "response_format.json_schema.name",
             "must be 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'.",
         )
-    for key in ("strict",):
-        if key in js and not isinstance(js[key], bool | None):
-            raise _bad(f"response_format.json_schema.{key}", "must be a boolean.")
+    unknown = sorted(set(js) - {"name", "description", "schema", "strict"})
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: 'response_format.json_schema.{unknown[0]}'.",
+            param=f"response_format.json_schema.{unknown[0]}",
+            code="unknown_parameter",
+        )
+    if "strict" in js and not isinstance(js["strict"], bool | None):
+        raise _bad("response_format.json_schema.strict", "must be a boolean.")
+    if "description" in js and not isinstance(js["description"], str | None):
+        raise _bad("response_format.json_schema.description", "must be a string.")
     if "schema" not in js:  # OpenAI: a schema-less json_schema asks for any JSON object
         return make_grammar("json_schema", JSON_OBJECT_SCHEMA)
     return schema_grammar(js["schema"], "response_format.json_schema.schema")
