@@ -56,13 +56,21 @@ class Gateway:
         self._token_str: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
         self._tok_limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
-        self.grammars = GrammarChecker(
-            tokenizer.tokenizer.to_str,
-            tokenizer.vocab_size,
-            sorted(tokenizer.stop_token_ids),
-            max_bytes=self.config.grammar_max_bytes,
-            timeout=self.config.grammar_timeout,
-        )
+        self._grammars: GrammarChecker | None = None
+
+    @property
+    def grammars(self) -> GrammarChecker:
+        """The grammar checker over the model's vocabulary (made on first use)."""
+        if self._grammars is None:
+            tok = self.tokenizer
+            self._grammars = GrammarChecker(
+                tok.tokenizer.to_str,
+                tok.vocab_size,
+                sorted(tok.stop_token_ids),
+                max_bytes=self.config.grammar_max_bytes,
+                timeout=self.config.grammar_timeout,
+            )
+        return self._grammars
 
     async def tokenize(self, fn: Callable[[], T], chars: int) -> T:
         """Run ``fn`` (templating/tokenizing, CPU-bound) inline for short prompts, else in a worker thread
