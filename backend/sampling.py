@@ -295,7 +295,8 @@ def sample(
         logits: ``[B, V] float32`` (any device; moved to CPU), row ``i`` for ``states[i]``.
         states: per-row ``ChoiceState`` (not modified; call ``state.append`` after).
         allowed: grammar masks ``(rows, [R, V] bool)``: row ``rows[j]`` may only take the tokens
-            ``allowed[j]`` marks (``backend.grammar.MaskJob``); None: no constrained row.
+            ``allowed[j]`` marks (``backend.grammar.MaskJob``); None: no constrained row. The masked
+            rows of ``logits`` are overwritten in place.
 
     Returns:
         ``(token_ids, logprobs)``: B ints, and per row a ``TokenLogprob`` (raw
@@ -307,11 +308,11 @@ def sample(
         logits = logits.float().cpu()
     logits = logits.float()
     assert logits.shape[0] == B, (logits.shape, B)
-    if allowed is not None:
+    if allowed is not None:  # in place: the caller hands its logits over (the engine never reads them again)
         rows, ok = allowed
-        logits = logits.clone()
         idx = torch.tensor(rows, dtype=torch.int64)
-        logits[idx] = logits[idx].masked_fill(~ok, float("-inf"))
+        with torch.inference_mode():  # the model's logits are inference tensors
+            logits[idx] = logits[idx].masked_fill(~ok, float("-inf"))
 
     lp_rows = [i for i, s in enumerate(states) if s.want_logprobs]
     raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
