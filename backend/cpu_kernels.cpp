@@ -425,3 +425,38 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
   }
   return q;
 }
+
+// Grammar masks (backend/grammar.py): row rows[j] of logits keeps the tokens whose bit is set in bitmask[j]
+// (bit t % 32 of word t / 32, llguidance's layout); every other logit becomes -inf. Words that allow all 32
+// tokens are skipped, words that allow none are filled; in place, O(R * V) at most.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
+                  logits.stride(1) == 1, "logits: float32 [B, V], each row contiguous");
+  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.scalar_type() == torch::kInt32 && bitmask.dim() == 2 &&
+                  bitmask.is_contiguous(), "bitmask: contiguous int32 [R, W]");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == torch::kInt64 && rows.is_contiguous() &&
+                  rows.numel() == bitmask.size(0), "rows: int64 [R]");
+  const int64_t B = logits.size(0), V = logits.size(1), R = bitmask.size(0), W = bitmask.size(1);
+  TORCH_CHECK(W * 32 >= V, "bitmask narrower than the vocabulary");
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < R; ++j) TORCH_CHECK(rw[j] >= 0 && rw[j] < B, "row outside the batch");
+  float* lg = logits.data_ptr<float>();
+  const int64_t ls = logits.stride(0);
+  const uint32_t* bm = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const uint32_t ninf_bits = 0xFF800000u;  // -inf by its bits: -ffast-math assumes no infinities in arithmetic
+  float ninf;
+  std::memcpy(&ninf, &ninf_bits, sizeof(ninf));
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t j = 0; j < R; ++j) {
+    float* row = lg + rw[j] * ls;
+    const uint32_t* m = bm + j * W;
+    for (int64_t w = 0; w < W; ++w) {
+      const uint32_t bits = m[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t base = w * 32;
+      const int64_t n = V - base < 32 ? V - base : 32;
+      for (int64_t b = 0; b < n; ++b)
+        if (!((bits >> b) & 1u)) row[base + b] = ninf;
+    }
+  }
+}

@@ -77,7 +77,9 @@ def load():
     ``silu_mul(gu [N, 2I]) -> [N, I]`` (``silu(gate) * up``, float32 math, one rounding);
     ``rope_write_kv(qkv [T, (nh + 2 nkv) hd], positions [T] i64, cos [P, rd] f32, sin [P, rd] f32,
     k_cache, v_cache, slots [T] i64, nh, nkv) -> q [T, nh, hd] f32`` (HF rotate-half RoPE; rotated K
-    and V stored at ``slots``, negative slots skipped).
+    and V stored at ``slots``, negative slots skipped);
+    ``apply_token_bitmask(logits [B, V] f32, bitmask [R, W] i32, rows [R] i64)`` (in place: row
+    ``rows[j]`` keeps the tokens whose bit is set in ``bitmask[j]``, the others become ``-inf``).
     """
     global _module, _tried
     if _tried:
@@ -103,7 +105,7 @@ def _build():
         return load_inline(
             name=f"llm_gateway_cpu_kernels_{_build_tag()}",
             cpp_sources=[_SRC.read_text()],
-            functions=["paged_decode", "add_rms_norm", "silu_mul", "rope_write_kv"],
+            functions=["paged_decode", "add_rms_norm", "silu_mul", "rope_write_kv", "apply_token_bitmask"],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             with_cuda=False,

@@ -17,8 +17,9 @@ counted in ``completion_tokens``), "length" (``max_tokens``), "abort"
 
 Constrained requests (``Submit.grammar``, ``backend.grammar``): the grammar compiles on a worker thread
 while the request waits outside the scheduler (``has_work`` stays true); once compiled each choice gets its
-own matcher and the request is queued. Each step the masks of the constrained rows are computed beside the
-forward pass and applied in the sampler; a choice whose grammar is complete finishes with "stop" (its last
+own matcher and the request is queued (at once for a grammar compiled before). Each step the masks of the
+constrained rows are computed (beside the forward pass on an accelerator, after it on a CPU) and applied
+in the sampler; a choice whose grammar is complete finishes with "stop" (its last
 token is in ``new_token_ids``). A grammar that fails to compile, or that the output leaves, ends that
 request alone with ``RequestError`` code ``grammar_error``.
 
@@ -151,6 +152,7 @@ class Engine:
         self.requests: dict[str, EngineRequest] = {}
         self.grammar = grammar
         self.masks: G.MaskJob | None = None
+        self.overlap_masks = str(self.card.device) != "cpu"
         # requests whose grammar is compiling: request_id -> (request, its first sequence, the compile)
         self.compiling: dict[str, tuple[EngineRequest, Sequence, concurrent.futures.Future]] = {}
         self.num_steps = 0
@@ -272,10 +274,27 @@ class Engine:
         req.seqs[0] = seq
         self.requests[req.request_id] = req
         self.num_prompt_tokens += len(submit.prompt_ids)
-        if submit.grammar is not None:
-            self.compiling[req.request_id] = (req, seq, self._compiler().submit(submit.grammar))
-        else:
+        if submit.grammar is None:
             self.scheduler.add(seq)
+            return None
+        fut = self._compiler().submit(submit.grammar)
+        if not fut.done():
+            self.compiling[req.request_id] = (req, seq, fut)
+            return None
+        return self._admit(req, seq, fut)  # a cached grammar: queued now, in arrival order
+
+    def _admit(
+        self, req: EngineRequest, seq: Sequence, fut: concurrent.futures.Future
+    ) -> RequestError | None:
+        """Give each choice its matcher from a finished compile and queue the request, or fail it."""
+        try:
+            first = fut.result()
+            req.states[0].matcher = first
+            for st in req.states[1:]:
+                st.matcher = first.deep_copy()  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - GrammarError or an engine fault: this request only
+            return self._fail(req, f"grammar: {exc}", code="grammar_error")
+        self.scheduler.add(seq)
         return None
 
     def _admit_compiled(self, wait: bool) -> list[tuple[Hashable, Message]]:
@@ -291,15 +310,9 @@ class Engine:
             if not fut.done():
                 continue
             del self.compiling[rid]
-            try:
-                first = fut.result()
-                req.states[0].matcher = first
-                for st in req.states[1:]:
-                    st.matcher = first.deep_copy()  # type: ignore[attr-defined]
-            except Exception as exc:  # noqa: BLE001 - GrammarError or an engine fault: this request only
-                out.append((req.owner, self._fail(req, f"grammar: {exc}", code="grammar_error")))
-                continue
-            self.scheduler.add(seq)
+            error = self._admit(req, seq, fut)
+            if error is not None:
+                out.append((req.owner, error))
         return out
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
@@ -446,7 +459,9 @@ class Engine:
             for c in plan.chunks
         ]
         rows, targets = self._targets(plan)
-        mask_job = self._start_masks(targets)
+        # beside the forward pass when it runs on an accelerator (the CPU is free meanwhile); after it on a
+        # CPU, whose cores the forward pass already keeps busy
+        mask_job = self._start_masks(targets) if self.overlap_masks else None
         t1 = time.perf_counter()
         try:
             logits = self.runner.execute(chunks)
@@ -458,6 +473,8 @@ class Engine:
         t2 = time.perf_counter()
         self.model_time_s += t2 - t1
         sched.update_after_step(plan)
+        if not self.overlap_masks:
+            mask_job = self._start_masks(targets)
         out: list[tuple[Hashable, Message]] = early
         try:
             self._sample_and_output(rows, targets, logits, mask_job, out)
@@ -520,22 +537,24 @@ class Engine:
     def _check_masks(
         self,
         targets: list[tuple[Sequence, int]],
-        allowed: tuple[list[int], Any],
+        allowed: G.Masks,
         out: list[tuple[Hashable, Message]],
     ) -> None:
         """Fail the requests whose matcher errored while computing its mask, or allows no token at all
         (their rows are then unmasked: the token drawn there is thrown away)."""
-        rows, ok = allowed
+        rows, ok, some, _ = allowed
         for j, r in enumerate(rows):
             seq, i = targets[r]
             req: EngineRequest = seq.request
             m = req.states[i].matcher
             bad = m is not None and m.is_error()  # type: ignore[attr-defined]
-            if bad or not bool(ok[j].any()):
+            if bad or not some[j]:
                 if req.request_id in self.requests:
                     why = G.error_message(m) if bad else "no token can continue the output"
                     out.append((req.owner, self._fail(req, f"grammar: {why}", code="grammar_error")))
                 ok[j] = True
+                if allowed.bitmask is not None:
+                    allowed.bitmask[j] = -1
 
     def _sample_and_output(
         self,

@@ -4,19 +4,20 @@ A ``protocol.Grammar`` (JSON Schema, Lark or regex text) is compiled once per di
 into an llguidance ``LLMatcher`` over the model's vocabulary; each constrained choice gets its own copy
 (``deep_copy``: the parser state of that choice). Per engine step:
 
-1. before the forward pass, ``MaskJob.start`` computes the masks of every constrained row on a worker
-   thread (llguidance releases the GIL; ``LLExecutor`` spreads the rows over its threads), so the masks
-   are ready when the logits are;
-2. after it, ``MaskJob.result`` gives ``(rows, allowed)``: ``allowed [R, V] bool`` for the batch rows
-   ``rows``; the sampler sets every other logit of those rows to ``-inf``. Rows without a grammar are
+1. ``MaskJob.start`` computes the masks of every constrained row on a worker thread (llguidance releases
+   the GIL; ``LLExecutor`` spreads the rows over its threads): beside the forward pass when the model
+   runs on an accelerator, so the masks are ready when the logits are; right after it on a CPU, whose
+   cores the forward pass already keeps busy (measured: overlapping there only slows both);
+2. ``MaskJob.result`` gives ``Masks``: which tokens batch row ``rows[j]`` allows; ``apply_masks`` sets
+   every other logit of those rows to ``-inf`` (a C++ kernel over the bitmask when built). Rows without a grammar are
    not touched, and a step without constrained rows does no work at all;
 3. each sampled token is fed to its choice's matcher (``advance``): a token the grammar refuses is a
    ``GrammarError`` for that request alone; a grammar that can take no more tokens ends the choice
    ("stop").
 
-Compiling runs on a worker thread too (``GrammarCompiler.submit`` returns a ``Future``): the engine
-queues a constrained request only when its grammar is ready, so a slow compile never stalls the step
-loop. The vocabulary (llguidance ``LLTokenizer``, ~0.2 s to build) is loaded on first use from the
+Compiling runs on a worker thread too (``GrammarCompiler.submit`` returns a ``Future``; one already
+compiled is copied at once): the engine queues a constrained request only when its grammar is ready, so a
+slow compile never stalls the step loop. The vocabulary (llguidance ``LLTokenizer``, ~0.2 s to build) is loaded on first use from the
 model's own tokenizer (``templating.load_tokenizer``), never from the gateway.
 
 Limits: ``MAX_GRAMMAR_BYTES`` of grammar text; llguidance's ``LLParserLimits`` bound the lexer and
@@ -37,10 +38,12 @@ pass, applied in the sampler).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -195,8 +198,15 @@ class GrammarCompiler:
         return matcher.deep_copy()
 
     def submit(self, grammar: Grammar) -> Future:
-        """``compile`` on the worker thread; the future's result is a matcher, or it raises."""
-        return self._pool.submit(self.compile, grammar)
+        """``compile`` on the worker thread; the future's result is a matcher, or it raises. A grammar
+        already compiled is copied at once: the future is done on return."""
+        with self._lock:
+            cached = self._cache.get(grammar_key(grammar.kind, grammar.source))
+        if cached is None or self._tokenizer is None:
+            return self._pool.submit(self.compile, grammar)
+        done: Future = Future()
+        done.set_result(self.compile(grammar))
+        return done
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -222,17 +232,48 @@ def finished(matcher: object) -> bool:
     return bool(matcher.is_stopped())  # type: ignore[attr-defined]
 
 
+class Masks(NamedTuple):
+    """One step's grammar masks: batch row ``rows[j]`` may take the tokens ``allowed[j]`` marks
+    (``[R, V] bool``, unpacked from ``bitmask [R, W] int32``); ``some[j]``: it allows at least one token."""
+
+    rows: list[int]
+    allowed: torch.Tensor
+    some: list[bool]
+    bitmask: np.ndarray | None = None
+
+
+def apply_masks(logits: torch.Tensor, masks: Masks) -> None:
+    """Set every logit that row ``masks.rows[j]``'s grammar does not allow to ``-inf``, in place.
+
+    ``logits``: ``[B, V] float32`` CPU. Uses the C++ kernel (``backend.cpu_kernels``) when it is built and
+    the bitmask is at hand (skips all-allowed words, no unpacking), else one ``masked_fill_`` per row.
+    """
+    from backend import cpu_kernels
+
+    mod = cpu_kernels.load() if masks.bitmask is not None else None
+    with torch.inference_mode():  # the model's logits are inference tensors
+        if mod is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            rows = torch.tensor(masks.rows, dtype=torch.int64)
+            mod.apply_token_bitmask(logits, torch.from_numpy(masks.bitmask), rows)
+            return
+        forbidden = ~masks.allowed
+        for j, r in enumerate(masks.rows):  # row views: no gather/scatter copy of the rows
+            logits[r].masked_fill_(forbidden[j], float("-inf"))
+
+
 class MaskJob:
     """The token masks of one step's constrained rows, computed on a worker thread.
 
     Args:
         vocab_size: logits width V.
-        threads: llguidance ``LLExecutor`` threads used for the rows of one step.
+        threads: llguidance ``LLExecutor`` threads used for the rows of one step (default: the CPUs, at
+            most 8).
     """
 
-    def __init__(self, vocab_size: int, threads: int = 1) -> None:
+    def __init__(self, vocab_size: int, threads: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
+        threads = threads or min(8, os.cpu_count() or 1)
         self._executor = llg.LLExecutor(num_threads=threads) if llg is not None else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self.mask_time_s: list[float] = []  # per step with constrained rows (bench); bounded below
@@ -255,8 +296,8 @@ class MaskJob:
         )
         return rows, bitmask, time.perf_counter() - t0
 
-    def result(self, job: Future | None) -> tuple[list[int], torch.Tensor] | None:
-        """``(rows, allowed [R, V] bool)`` of a started job, or None."""
+    def result(self, job: Future | None) -> Masks | None:
+        """The ``Masks`` of a started job, or None."""
         if job is None:
             return None
         rows, bitmask, dt = job.result()
@@ -264,7 +305,8 @@ class MaskJob:
             self.mask_time_s.append(dt)
         # little-endian words: byte-wise unpacking with bitorder="little" keeps token order (10x torch shifts)
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
-        return rows, torch.from_numpy(bits.view(np.bool_))
+        some = (bitmask != 0).any(axis=1).tolist()
+        return Masks(rows, torch.from_numpy(bits.view(np.bool_)), some, bitmask)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -275,6 +317,8 @@ __all__ = [
     "GrammarError",
     "GrammarUnavailable",
     "MaskJob",
+    "Masks",
+    "apply_masks",
     "advance",
     "available",
     "check_grammar",

@@ -42,6 +42,7 @@ import secrets
 
 import torch
 
+from backend.grammar import Masks, apply_masks
 from backend.protocol import SamplingParams, TokenLogprob
 from backend.sampling_rules import MAX_TOP_LOGPROBS
 
@@ -287,16 +288,16 @@ def process_logits(logits: torch.Tensor, states: list[ChoiceState]) -> torch.Ten
 def sample(
     logits: torch.Tensor,
     states: list[ChoiceState],
-    allowed: tuple[list[int], torch.Tensor] | None = None,
+    allowed: Masks | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row.
 
     Args:
         logits: ``[B, V] float32`` (any device; moved to CPU), row ``i`` for ``states[i]``.
         states: per-row ``ChoiceState`` (not modified; call ``state.append`` after).
-        allowed: grammar masks ``(rows, [R, V] bool)``: row ``rows[j]`` may only take the tokens
-            ``allowed[j]`` marks (``backend.grammar.MaskJob``); None: no constrained row. The masked
-            rows of ``logits`` are overwritten in place.
+        allowed: grammar masks (``backend.grammar.Masks``): row ``rows[j]`` may only take the tokens
+            ``allowed[j]`` marks; None: no constrained row. The masked rows of ``logits`` are overwritten
+            in place.
 
     Returns:
         ``(token_ids, logprobs)``: B ints, and per row a ``TokenLogprob`` (raw
@@ -309,10 +310,7 @@ def sample(
     logits = logits.float()
     assert logits.shape[0] == B, (logits.shape, B)
     if allowed is not None:  # in place: the caller hands its logits over (the engine never reads them again)
-        rows, ok = allowed
-        idx = torch.tensor(rows, dtype=torch.int64)
-        with torch.inference_mode():  # the model's logits are inference tensors
-            logits[idx] = logits[idx].masked_fill(~ok, float("-inf"))
+        apply_masks(logits, allowed)
 
     lp_rows = [i for i, s in enumerate(states) if s.want_logprobs]
     raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None

@@ -551,7 +551,8 @@ def test_mask_job_matches_matcher_bitmask(compiler):
         a = compiler.compile(gram("lark", COLORS))
         b = compiler.compile(gram("json_schema", PERSON))
         assert job.result(job.start([], [])) is None
-        rows, allowed = job.result(job.start([3, 1], [a, b]))
+        rows, allowed, some, _ = job.result(job.start([3, 1], [a, b]))
+        assert some == [True, True]
         assert rows == [3, 1] and tuple(allowed.shape) == (2, V)
         for j, m in enumerate((a, b)):
             want = llg_bits(m.compute_bitmask(), V)
