@@ -578,3 +578,28 @@ def llg_bits(mask: bytes, V: int) -> list[int]:
             if byte >> bit & 1 and i * 8 + bit < V:
                 out.append(i * 8 + bit)
     return out
+
+
+def test_apply_masks_kernel_equals_torch_path():
+    """The C++ kernel (straight from the bitmask, all-allowed words skipped) and the torch fallback mask the
+    same logits: random words, an all-allowed word, an all-forbidden word and a vocabulary that ends
+    inside a word."""
+    import numpy as np
+    import torch
+
+    from backend import cpu_kernels
+
+    rng = np.random.default_rng(0)
+    V = 1000  # 31.25 words: the last word is cut
+    bm = rng.integers(-(2**31), 2**31 - 1, size=(3, 32), dtype=np.int32)
+    bm[0, 4], bm[1, 9] = -1, 0
+    bits = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")[:, :V]
+    allowed = torch.from_numpy(bits.view(np.bool_))
+    logits = torch.randn(5, V)
+    a, b = logits.clone(), logits.clone()
+    G.apply_masks(a, G.Masks([4, 0, 2], allowed, [True] * 3, bm))
+    G.apply_masks(b, G.Masks([4, 0, 2], allowed, [True] * 3, None))
+    assert torch.equal(a, b)
+    assert torch.equal(a[1], logits[1]) and torch.equal(a[3], logits[3])  # unconstrained rows untouched
+    assert int(torch.isinf(a[4]).sum()) == int((~allowed[0]).sum())
+    assert cpu_kernels.load() is None or cpu_kernels.enabled()  # the kernel path ran when it is built
