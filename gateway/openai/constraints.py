@@ -30,6 +30,7 @@ from gateway.errors import InvalidRequest
 from gateway.openai.schemas import ChatRequest
 from gateway.state import Gateway
 from gateway.structured import formats
+from gateway.structured.checker import ref_cycle
 from gateway.tools import ToolParser, ToolPlan, parse_tools, tool_format
 
 
@@ -57,6 +58,16 @@ async def chat_constraints(
     """Resolve and check the constraints of ``req`` (see the module docstring). ``messages``: after the
     prompt hooks. Raises ``InvalidRequest``."""
     plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if plan is not None:  # the call grammar's first mask does not reach into the arguments: check here
+        for i, tool in enumerate(plan.tools):
+            cycle = ref_cycle(tool.parameters)
+            if cycle:
+                param = f"tools[{i}].function.parameters"
+                raise InvalidRequest(
+                    f"Invalid value for '{param}': '$ref' cycle {' -> '.join(cycle)} describes no value.",
+                    param=param,
+                    code="invalid_value",
+                )
     grammar: Grammar | None = None
     param: str | None = None
     rf = formats.from_response_format(req.response_format)

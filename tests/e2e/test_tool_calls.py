@@ -154,6 +154,18 @@ def _bad(client, gateway, **kw) -> dict:
 
 
 NAMELESS = {"type": "function", "function": {"parameters": {"type": "object", "properties": {}}}}
+CYCLE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "loop",
+        "parameters": {
+            "type": "object",
+            "properties": {"x": {"$ref": "#/$defs/a"}},
+            "required": ["x"],
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+        },
+    },
+}
 BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}
 BAD_TOOLS = [
     ("tool without name", {"tools": [NAMELESS]}, "tools[0].function.name"),
@@ -175,6 +187,11 @@ BAD_TOOLS = [
     ("invalid parameters schema, required", {"tools": [BAD_SCHEMA], "tool_choice": "required"}, "tool*"),
     ("duplicate names", {"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ("tool type not function", {"tools": [{**WEATHER, "type": "retrieval"}]}, "tools[0].type"),
+    (
+        "$ref cycle in parameters",
+        {"tools": [WEATHER, CYCLE_TOOL], "tool_choice": "required"},
+        "tools[1].function.parameters",
+    ),
 ]
 
 
