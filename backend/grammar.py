@@ -39,6 +39,7 @@ pass, applied in the sampler).
 from __future__ import annotations
 
 import os
+import random
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -99,11 +100,19 @@ def to_llguidance(grammar: Grammar) -> str:
         raise GrammarError(str(exc)) from None
 
 
-def check_grammar(grammar: Grammar, tokenizer: object | None = None) -> None:
-    """Compile ``grammar`` and compute its first mask; raise if either fails.
+WALK_STEPS = 16  # tokens each of check_grammar's walks goes into the output
+WALKS = 3  # one preferring the longest allowed token, two random
 
-    ``tokenizer``: an ``llguidance.LLTokenizer`` (with one, the first mask is computed too, which catches
-    what compiling alone does not, e.g. a ``$ref`` that refers only to itself).
+
+def check_grammar(grammar: Grammar, tokenizer: object | None = None, walk: int = WALK_STEPS) -> None:
+    """Compile ``grammar``; with a tokenizer, also walk ``walk`` tokens into outputs it allows.
+
+    ``tokenizer``: an ``llguidance.LLTokenizer``. With one, the masks of the first ``walk`` steps are
+    computed along ``WALKS`` outputs the grammar allows: one taking the longest allowed token (bytes) at
+    each step, two taking seeded random ones; none takes EOS or a whitespace-only token while another is
+    allowed. Most problems that compiling alone does not show surface there (a ``$ref`` cycle, an object
+    whose many optional properties overflow a parser row, a rule with no base case). A problem deeper in
+    the output than the walks go still ends that request during generation.
 
     Raises:
         GrammarError: the message says what is wrong.
@@ -112,26 +121,66 @@ def check_grammar(grammar: Grammar, tokenizer: object | None = None) -> None:
     text = to_llguidance(grammar)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, tokenizer, limits=parser_limits())
     if is_error:
-        raise GrammarError(messages[0] if messages else "invalid grammar")
-    if tokenizer is not None:
-        m = llg.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
-        if not m.is_error():
-            words = (tokenizer.vocab_size + 31) // 32  # type: ignore[attr-defined]
-            m.compute_bitmask()
-            if not m.is_error() and words and not _any_allowed(m):
-                raise GrammarError("the grammar accepts no output at all")
-        if m.is_error():
-            raise GrammarError(_short(m.get_error()))
+        raise GrammarError(_short(messages[0]) if messages else "invalid grammar")
+    if tokenizer is None:
+        return
+    first = llg.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
+    for n in range(WALKS):
+        m = first.deep_copy() if n < WALKS - 1 else first
+        error = _walk(m, tokenizer, walk, None if n == 0 else random.Random(n))
+        if error is not None:
+            raise GrammarError(error)
 
 
-def _any_allowed(m: object) -> bool:
-    mask = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # type: ignore[attr-defined]
-    return bool(mask.any())
+_TOKEN_INFO: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _token_info(tokenizer: object) -> tuple[np.ndarray, np.ndarray]:
+    """Per token id: its length in bytes, and whether it is whitespace only (cached per tokenizer)."""
+    info = _TOKEN_INFO.get(id(tokenizer))
+    if info is None:
+        n = tokenizer.vocab_size  # type: ignore[attr-defined]
+        pieces = [tokenizer.decode_bytes([t]) for t in range(n)]  # type: ignore[attr-defined]
+        info = (
+            np.array([len(b) for b in pieces], dtype=np.int32),
+            np.array([not b.strip() for b in pieces], dtype=np.bool_),
+        )
+        _TOKEN_INFO[id(tokenizer)] = info
+    return info
+
+
+def _walk(m: object, tokenizer: object, steps: int, rng: random.Random | None) -> str | None:
+    """One walk of ``check_grammar``: the matcher's error, or None. ``rng`` None: longest token first."""
+    eos = np.array(sorted(tokenizer.eos_tokens), dtype=np.int64)  # type: ignore[attr-defined]
+    n_vocab = tokenizer.vocab_size  # type: ignore[attr-defined]
+    lengths, blank = _token_info(tokenizer)
+    for step in range(steps + 1):
+        raw = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # type: ignore[attr-defined]
+        if m.is_error():  # type: ignore[attr-defined]
+            return _short(m.get_error())  # type: ignore[attr-defined]
+        ids = np.flatnonzero(np.unpackbits(raw, bitorder="little")[:n_vocab])
+        if step == 0 and ids.size == 0:
+            return "the grammar accepts no output at all"
+        if m.is_stopped() or ids.size == 0:  # type: ignore[attr-defined]
+            return None
+        ids = ids[~np.isin(ids, eos)]
+        if ids.size == 0:
+            return None  # only EOS may follow: the output can end here
+        words = ids[~blank[ids]]
+        if words.size:
+            ids = words
+        pick = int(ids[np.argmax(lengths[ids])]) if rng is None else int(ids[rng.randrange(ids.size)])
+        if not m.consume_token(pick):  # type: ignore[attr-defined]
+            return _short(m.get_error())  # type: ignore[attr-defined]
+    return None
 
 
 def _short(message: str) -> str:
-    """llguidance's error text without its parser-state dump."""
-    return message.split("\n<state>", 1)[0].strip() or "grammar error"
+    """llguidance's error text without its parser-state dump (and its bare internal names explained)."""
+    text = message.split("\n<state>", 1)[0].strip() or "grammar error"
+    if text == "NoExtensionBias":
+        return "no token can continue the output here (e.g. a '$ref' that only refers to itself)"
+    return text
 
 
 class GrammarCompiler:

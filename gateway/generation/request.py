@@ -19,6 +19,8 @@ Fields:
     t_arrival: ``time.perf_counter()`` at arrival (TTFT and total durations start here).
     grammar: the constraint the backend enforces on every choice (checked already), or None.
     grammar_param: the request parameter the grammar came from (named by errors about it).
+    grammar_checks: every grammar of the request, checked by the run after admission and before the
+        backend (``gateway.structured.checker``).
     tools: the request's tool plan (``gateway.tools.spec.ToolPlan``), or None.
     tool_parser: makes one choice's tool-call parser; None: the output is plain content.
 """
@@ -26,16 +28,15 @@ Fields:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
 from auth.principal import Principal
 from backend.protocol import Grammar, SamplingParams
-
-if TYPE_CHECKING:
-    from gateway.tools.parser import ToolParser
-    from gateway.tools.spec import ToolPlan
+from gateway.structured.checker import GrammarCheck
+from gateway.tools.parser import ToolParser
+from gateway.tools.spec import ToolPlan
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
@@ -53,6 +54,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     t_arrival: float = 0.0
     grammar: Grammar | None = None
     grammar_param: str | None = None
+    grammar_checks: list[GrammarCheck] = []
     tools: ToolPlan | None = None
     tool_parser: Callable[[], ToolParser] | None = None
 

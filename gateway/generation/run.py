@@ -177,8 +177,10 @@ class _Run:
         return NOTHING
 
     async def _generate(self, headers: dict[str, str]) -> None:
-        client = await self.gw.pool.pick()
         req = self.req
+        for check in req.grammar_checks:  # after admission: rate limits bound what a tenant can ask for
+            await self.gw.grammars.check(check.grammar, check.param, schemas=check.schemas)
+        client = await self.gw.pool.pick()
         if req.grammar is not None and FEATURE_GRAMMAR not in client.ready.features:
             param = req.grammar_param or "response_format"
             raise InvalidRequest(

@@ -4,9 +4,12 @@ that turns the output back into tool calls.
 
 Which grammar wins, when a request has several:
 
-1. ``tool_choice`` "required" or a named function: the tool-call grammar (param ``tool_choice``);
+1. ``tool_choice`` "required" or a named function: the tool-call grammar (param ``tool_choice``); a
+   ``response_format`` given too is still checked (a bad one is a 400), though a forced call leaves no
+   text answer for it to shape;
 2. else ``response_format`` / ``structured_outputs`` (giving both is a 400; Ollama's ``format`` comes in
-   as ``override``);
+   as ``override``); with ``tools`` in "auto" the output then follows the schema and is not parsed for
+   calls;
 3. else ``tools`` with ``tool_choice`` "auto": the tool format's auto grammar, if it has one;
 4. else none.
 
@@ -30,14 +33,16 @@ from gateway.errors import InvalidRequest
 from gateway.openai.schemas import ChatRequest
 from gateway.state import Gateway
 from gateway.structured import formats
-from gateway.structured.checker import ref_cycle
+from gateway.structured.checker import GrammarCheck
 from gateway.tools import ToolParser, ToolPlan, parse_tools, tool_format
 
 
 class ChatConstraints(msgspec.Struct, kw_only=True):
-    """``grammar`` (checked) and the parameter it came from; ``messages`` and ``tools`` to render;
-    ``plan``: the tool plan; ``parser``: makes one choice's tool-call parser (None: plain content)."""
+    """``grammar`` and the parameter it came from; ``checks``: every grammar of the request to check
+    (the one sent first); ``messages`` and ``tools`` to render; ``plan``: the tool plan; ``parser``: makes
+    one choice's tool-call parser (None: plain content)."""
 
+    checks: list[GrammarCheck] = []
     grammar: Grammar | None = None
     grammar_param: str | None = None
     messages: Any = None
@@ -52,24 +57,13 @@ def _has_tool_history(messages: Any) -> bool:
     )
 
 
-async def chat_constraints(
+def chat_constraints(
     gw: Gateway, req: ChatRequest, messages: Any, override: tuple[Grammar, str] | None = None
 ) -> ChatConstraints:
-    """Resolve and check the constraints of ``req`` (see the module docstring). ``messages``: after the
-    prompt hooks. Raises ``InvalidRequest``."""
+    """Resolve the constraints of ``req`` (see the module docstring). ``messages``: after the prompt hooks.
+    The grammars are checked later, by the run after admission (``ChatConstraints.checks``).
+    Raises ``InvalidRequest`` (shapes: tools, tool_choice, response_format, structured_outputs)."""
     plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    if plan is not None:  # the call grammar's first mask does not reach into the arguments: check here
-        for i, tool in enumerate(plan.tools):
-            cycle = ref_cycle(tool.parameters)
-            if cycle:
-                param = f"tools[{i}].function.parameters"
-                raise InvalidRequest(
-                    f"Invalid value for '{param}': '$ref' cycle {' -> '.join(cycle)} describes no value.",
-                    param=param,
-                    code="invalid_value",
-                )
-    grammar: Grammar | None = None
-    param: str | None = None
     rf = formats.from_response_format(req.response_format)
     so = formats.from_structured_outputs(req.structured_outputs)
     if rf is not None and so is not None:
@@ -78,25 +72,31 @@ async def chat_constraints(
             param="structured_outputs",
             code="invalid_value",
         )
+    checks: list[GrammarCheck] = []
     if override is not None:
-        grammar, param = override
+        checks.append(GrammarCheck(grammar=override[0], param=override[1]))
     elif rf is not None:
-        grammar, param = rf, "response_format"
+        checks.append(GrammarCheck(grammar=rf, param="response_format"))
     elif so is not None:
-        grammar, param = so, "structured_outputs"
+        checks.append(GrammarCheck(grammar=so, param="structured_outputs"))
     fmt = tool_format(gw.template.source)
-    if plan is not None and plan.mode in ("required", "named"):
-        src = fmt.grammar(plan)
-        if src is not None:
-            grammar, param = formats.make_grammar("lark", src), "tool_choice"
-    elif plan is not None and plan.mode == "auto" and grammar is None:
-        src = fmt.grammar(plan)
-        if src is not None:
-            grammar, param = formats.make_grammar("lark", src), "tools"
-    if grammar is not None and param is not None:
-        await gw.grammars.check(grammar, param)
-    out = ChatConstraints(grammar=grammar, grammar_param=param, messages=messages, plan=plan)
-    if plan is not None and plan.mode != "none":
+    tool_src = fmt.grammar(plan) if plan is not None else None
+    if plan is not None and tool_src is not None and (plan.mode in ("required", "named") or not checks):
+        schemas = [(f"tools[{i}].function.parameters", t.parameters) for i, t in enumerate(plan.tools)]
+        param = "tool_choice" if plan.mode in ("required", "named") else "tools"
+        # a forced call wins over response_format (there is no text answer), which is still checked
+        checks.insert(
+            0, GrammarCheck(grammar=formats.make_grammar("lark", tool_src), param=param, schemas=schemas)
+        )
+    out = ChatConstraints(messages=messages, plan=plan, checks=checks)
+    if checks:
+        out.grammar, out.grammar_param = checks[0].grammar, checks[0].param
+    # the output is parsed for calls only when the tools' grammar (or none) shapes it
+    if (
+        plan is not None
+        and plan.mode != "none"
+        and (not checks or checks[0].param in ("tools", "tool_choice"))
+    ):
         out.parser = lambda: fmt.parser(plan)
     if gw.template.supports_tools and gw.template.supports_tool_calls:
         out.tools = req.tools if plan is not None else None

@@ -28,6 +28,7 @@ from gateway.openai.validation import validate_chat, validate_completion
 from gateway.state import Gateway
 from gateway.stops import normalize_stop
 from gateway.structured import formats
+from gateway.structured.checker import GrammarCheck
 from templating.errors import TemplateError
 
 Api = Literal["openai", "ollama"]
@@ -183,7 +184,7 @@ async def prepare_chat(
     messages = req.messages
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
-    cons = await chat_constraints(gw, req, messages, constraint)
+    cons = chat_constraints(gw, req, messages, constraint)
     try:
         rendered = await gw.tokenize(
             lambda: gw.template.render(
@@ -211,7 +212,7 @@ async def prepare_chat(
         prompt_log=messages,
         t_arrival=t_arrival,
     )
-    gen.grammar, gen.grammar_param = cons.grammar, cons.grammar_param
+    gen.grammar, gen.grammar_param, gen.grammar_checks = cons.grammar, cons.grammar_param, cons.checks
     gen.tools, gen.tool_parser = cons.plan, cons.parser
     return gen
 
@@ -274,8 +275,6 @@ async def prepare_completion(
     so = formats.from_structured_outputs(req.structured_outputs)
     if constraint is None and so is not None:
         constraint = (so, "structured_outputs")
-    if constraint is not None:
-        await gw.grammars.check(*constraint)
     ids, prompt_log = await _completion_prompt(gw, req, principal)
     requested = 16 if req.max_tokens is None else req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, card.context_length, prompt_param="prompt")
@@ -294,4 +293,5 @@ async def prepare_completion(
     )
     if constraint is not None:
         gen.grammar, gen.grammar_param = constraint
+        gen.grammar_checks = [GrammarCheck(grammar=constraint[0], param=constraint[1])]
     return gen
