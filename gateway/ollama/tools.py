@@ -19,12 +19,12 @@ calls ``{"id": "call_<n>", "type": "function", "function": {"name", "arguments":
 counts the conversation's calls from 0; a string ``id`` given is kept; string arguments are kept as they
 are). A ``tool`` message (optional ``tool_name``) gets the ``tool_call_id`` of the first unanswered call of
 the latest assistant message with that name (with no ``tool_name``: the first unanswered one); when none
-is left it goes without. ``content`` is kept (missing: ``""``). Malformed calls: 400 naming
-``messages[i].tool_calls[j]...``.
+is left it goes without. ``content`` is kept (missing: ``""``). Malformed calls (arguments nested too
+deeply to encode included): 400 naming ``messages[i].tool_calls[j]...``.
 
 Response: each call of choice 0 as ``{"id", "function": {"name", "arguments": <JSON object>}}``. A call whose
-arguments are not a complete JSON object (output cut by ``num_predict``: done_reason "length") is left
-out.
+arguments are not a complete JSON object (output cut by ``num_predict``: done_reason "length"; or nested
+too deeply to decode) is left out.
 """
 
 from __future__ import annotations
@@ -95,7 +95,14 @@ class History:
         if args is None:
             args = {}
         if isinstance(args, dict):
-            args = json.dumps(args, ensure_ascii=False)
+            try:
+                args = json.dumps(args, ensure_ascii=False)
+            except RecursionError:
+                raise InvalidRequest(
+                    f"'{p}.function.arguments' is nested too deeply.",
+                    param=f"{p}.function.arguments",
+                    code="invalid_value",
+                ) from None
         elif not isinstance(args, str):
             raise InvalidRequest(
                 f"'{p}.function.arguments' must be an object.", param=f"{p}.function.arguments"
@@ -142,10 +149,11 @@ class History:
 
 
 def ollama_call(call: ToolCall) -> dict[str, Any] | None:
-    """``call`` in Ollama's shape, or None when its arguments are not a JSON object (cut off)."""
+    """``call`` in Ollama's shape, or None when its arguments are not a JSON object (cut off, or nested too
+    deeply to decode). Never raises."""
     try:
         args = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(args, dict):
         return None

@@ -8,6 +8,8 @@ Bytes per event (OpenAI "The chat completion chunk object"; SSE framing in ``gat
 * ``TextDelta`` with text or logprobs: one chunk ``delta: {content}`` (chat) or ``text`` (completions),
   ``finish_reason: null``; with tool-call pieces ``delta: {tool_calls: [{index, id, type, function: {name,
   arguments}}]}`` (id, type and name on a call's first piece only; then ``function.arguments`` fragments).
+  Each ``index`` appears at most once per chunk: an event's consecutive pieces of one call are merged (id
+  and name from the first, arguments concatenated), so a client reading ``tool_calls[0]`` loses nothing.
 * ``Heartbeat``: the comment ``: ping``.
 * ``ChoiceFinished``: one chunk with an empty delta, the ``finish_reason`` and that choice's ``timings``
   (extension, ns); ``content_filter_results`` (Azure OpenAI) when a filter cut it.
@@ -108,15 +110,19 @@ class ChatStream(_SSERenderer):
         if ev.logprobs is not None:
             lp = ChoiceLogprobs(chat_logprobs(self.names, ev.logprobs, self.k))
         if ev.tool_calls:
-            calls = [
-                ToolCallChunk(
-                    d.index,
-                    FunctionDelta(name=d.name, arguments=d.arguments),
-                    id=d.id,
-                    type="function" if d.id is not None else None,
+            calls: list[ToolCallChunk] = []
+            for d in ev.tool_calls:
+                if calls and calls[-1].index == d.index:  # one entry per call: fragments concatenated
+                    calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.arguments
+                    continue
+                calls.append(
+                    ToolCallChunk(
+                        d.index,
+                        FunctionDelta(name=d.name, arguments=d.arguments),
+                        id=d.id,
+                        type="function" if d.id is not None else None,
+                    )
                 )
-                for d in ev.tool_calls
-            ]
             delta = Delta(content=ev.text or None, tool_calls=calls)
         else:
             delta = Delta(content=ev.text)

@@ -4,13 +4,14 @@ a format's prompt text, llguidance grammar and streaming output parser (``parser
 
 from gateway.tools.hermes import HermesFormat, HermesParser
 from gateway.tools.parser import ToolCall, ToolCallDelta, ToolFormat, ToolParser, new_call_id, tool_format
-from gateway.tools.spec import FunctionTool, ToolMode, ToolPlan, parse_tools
+from gateway.tools.spec import MAX_SCHEMA_DEPTH, FunctionTool, ToolMode, ToolPlan, parse_tools
 
 __all__ = [
     "FunctionTool",
     "ToolMode",
     "ToolPlan",
     "parse_tools",
+    "MAX_SCHEMA_DEPTH",
     "ToolCall",
     "ToolCallDelta",
     "ToolParser",

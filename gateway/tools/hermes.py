@@ -16,7 +16,9 @@ Model output, one block per call, blocks separated by ``"\\n"``::
 * ``HermesFormat.render_history`` turns assistant ``tool_calls`` into blocks and ``tool`` results into
   ``<tool_response>`` blocks inside a ``user`` turn (Qwen2.5's choice; every chat template knows ``user``).
 
-Raises only ``gateway.errors.InvalidRequest`` (``render_history``: a malformed history tool call).
+Raises only ``gateway.errors.InvalidRequest`` (``render_history``: a malformed history tool call); the
+parser never raises, whatever the model writes (JSON too deeply nested to decode is a block that does not
+parse).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from gateway.tools.parser import (
     partial_suffix,
     register_format,
 )
-from gateway.tools.spec import FunctionTool, ToolPlan
+from gateway.tools.spec import FunctionTool, ToolPlan, relocate_refs
 from templating.chat_template import TEXT_PART_SEPARATOR
 
 __all__ = ["HermesFormat", "HermesParser", "CALL_START", "CALL_END"]
@@ -65,27 +67,11 @@ For each function call, return a JSON object with the function name and argument
 _JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 # Free text that never contains a call marker (llguidance's `&` and `~` regex operators).
 _TEXT = "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/"
-_NO_COPY = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
-
-
-def _relocate_refs(node: Any, prefix: str) -> Any:
-    """A copy of a schema whose local ``$ref`` pointers (``#/...``) are moved under ``prefix``."""
-    if isinstance(node, list):
-        return [_relocate_refs(v, prefix) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
-            out[k] = prefix + v[1:]
-        else:
-            out[k] = v if k in _NO_COPY else _relocate_refs(v, prefix)
-    return out
 
 
 def _call_schema(tool: FunctionTool) -> dict[str, Any]:
     """JSON Schema of one call object; unsupported keywords are ignored unless the tool is strict."""
-    params = _relocate_refs(tool.parameters, "#/properties/arguments")
+    params = relocate_refs(tool.parameters, "#/properties/arguments")
     if "type" not in params:
         params = {"type": "object", **params}
     return {
@@ -122,15 +108,23 @@ def _call_block(call: Any, param: str) -> str:
             param=param,
             code="invalid_value",
         )
-    args = fn.get("arguments")
-    if args is None:
-        args = {}
-    elif isinstance(args, str):
+    raw = fn.get("arguments")
+    args: Any = {} if raw is None else raw
+    if isinstance(raw, str):
         try:
-            args = json.loads(args)
-        except ValueError:
-            pass  # rendered as the JSON string it is
-    body = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+            args = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, or nested too deeply to decode
+            args = raw  # rendered as the JSON string it is
+    try:
+        body = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+    except RecursionError:  # decoded, but too deep to encode again from here
+        if not isinstance(raw, str):
+            raise InvalidRequest(
+                f"Invalid value for '{param}.function.arguments': nested too deeply.",
+                param=f"{param}.function.arguments",
+                code="invalid_value",
+            ) from None
+        body = json.dumps({"name": fn["name"], "arguments": raw}, ensure_ascii=False)
     return f"{CALL_START}\n{body}\n{CALL_END}"
 
 
@@ -190,14 +184,15 @@ class HermesFormat:
         ``messages`` are OpenAI messages (as ``normalize_messages`` returns them). An assistant message's
         ``tool_calls`` (or legacy ``function_call``) are removed and its content becomes the content (if
         any) and the ``<tool_call>`` blocks, joined by ``"\\n"``; history arguments are parsed from their JSON
-        string (kept as a JSON string if they do not parse). A ``tool`` (or legacy ``function``) message
-        becomes ``<tool_response>\\n{content}\\n</tool_response>`` in a ``user`` message; consecutive results
-        share one. The preamble (when ``plan`` has one) is appended to the first system message after a
-        blank line, or is a new first system message.
+        string (kept as a JSON string if they do not parse, or are nested too deeply to parse). A ``tool``
+        (or legacy ``function``) message becomes ``<tool_response>\\n{content}\\n</tool_response>`` in a
+        ``user`` message; consecutive results share one. The preamble (when ``plan`` has one) is appended
+        to the first system message after a blank line, or is a new first system message.
 
         Raises:
             InvalidRequest: a tool call without a ``function`` object naming a string ``name``
-                (param ``messages[i].tool_calls[j]`` / ``messages[i].function_call``).
+                (param ``messages[i].tool_calls[j]`` / ``messages[i].function_call``); non-string
+                ``arguments`` nested too deeply to encode (``...function.arguments``).
         """
         out: list[dict[str, Any]] = []
         in_results = False
@@ -254,8 +249,8 @@ class HermesParser:
       the end of the arguments value (found by tracking JSON strings and brackets): fragments concatenate
       to exactly ``ToolCall.arguments``.
     * When the block ends its JSON is parsed (``json_members``). A valid ``{"name": str, "arguments": ...}``
-      in another order (or spacing) is announced then, in one piece. A block that does not parse is
-      returned as content, verbatim, if it was never announced; an announced one stays a call with the
+      in another order (or spacing) is announced then, in one piece. A block that does not parse (JSON
+      nested too deeply to decode included) is returned as content, verbatim, if it was never announced; an announced one stays a call with the
       argument text streamed so far. Either way ``incomplete`` becomes true.
     * ``finish()`` inside a block: if its JSON is already complete (only ``</tool_call>`` is missing) it
       is a call; otherwise as above (``incomplete``), e.g. output cut by ``max_tokens``.
@@ -344,7 +339,7 @@ class HermesParser:
             if m and m.end() < limit:
                 try:
                     name = json.loads(m.group(1))
-                except ValueError:
+                except (ValueError, RecursionError):
                     self._head_failed = True
                 else:
                     self._announce(name, deltas)

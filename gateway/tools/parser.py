@@ -153,7 +153,8 @@ def json_members(text: str) -> list[tuple[str, Any, int, int]] | None:
 
     Returns:
         ``[(key, value, start, end), ...]`` where ``text[start:end]`` is the value's raw JSON text; None when
-        ``text`` is not exactly one JSON object.
+        ``text`` is not exactly one JSON object, or nests too deeply for the decoder (``RecursionError`` is
+        caught: this never raises).
     """
     i = _skip_ws(text, 0)
     if not text.startswith("{", i):
@@ -171,7 +172,7 @@ def json_members(text: str) -> list[tuple[str, Any, int, int]] | None:
                     return None
                 start = _skip_ws(text, i + 1)
                 value, end = _DECODER.raw_decode(text, start)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             members.append((key, value, start, end))
             i = _skip_ws(text, end)

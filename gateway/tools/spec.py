@@ -11,8 +11,17 @@ Rules (documented in ``docs/tools.md``):
 
 * ``tool_choice`` defaults to ``"auto"`` when tools are given, as OpenAI does; an empty ``tools`` array
   counts as no tools.
-* Omitted ``parameters`` means a function without arguments: ``{"type": "object", "properties": {}}``.
+* Omitted ``parameters`` means a function without arguments: ``{"type": "object", "properties": {},
+  "additionalProperties": false}`` (the arguments must be ``{}``).
+* ``parameters`` must describe an object: a ``type`` other than ``"object"`` (or a list of types without
+  it) is refused, and so is a value nested deeper than ``MAX_SCHEMA_DEPTH`` objects/arrays (measured
+  without recursion: every later stage that walks the schema may then recurse safely).
+* Members other than the documented ones (in a tool, its ``function``, a ``tool_choice`` object and its
+  ``function``) are refused, as OpenAI refuses them.
 * A named ``tool_choice`` becomes mode ``"named"`` and must name one of ``tools``.
+
+``relocate_refs`` copies a (validated) schema with its local ``$ref`` pointers moved, for a format that
+embeds ``parameters`` in a bigger schema (Hermes' call schema).
 
 Errors are ``gateway.errors.InvalidRequest`` (400 ``invalid_request_error``) whose ``param`` names the
 offending field (``tools[1].function.name``, ``tool_choice``...), worded like OpenAI's.
@@ -20,6 +29,7 @@ offending field (``tools[1].function.name``, ``tool_choice``...), worded like Op
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -27,12 +37,26 @@ import msgspec
 
 from gateway.errors import InvalidRequest
 
-__all__ = ["FunctionTool", "ToolMode", "ToolPlan", "parse_tools", "NAME_PATTERN"]
+__all__ = [
+    "FunctionTool",
+    "ToolMode",
+    "ToolPlan",
+    "parse_tools",
+    "relocate_refs",
+    "NAME_PATTERN",
+    "MAX_SCHEMA_DEPTH",
+]
 
 #: OpenAI's rule for function names.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+#: Most levels of nested objects/arrays in a ``parameters`` value (the value itself is level 1).
+MAX_SCHEMA_DEPTH = 64
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+_CHOICE_KEYS = frozenset({"type", "function"})
+_CHOICE_FUNCTION_KEYS = frozenset({"name"})
+_NO_COPY = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _CHOICES: dict[str, ToolMode] = {"none": "none", "auto": "auto", "required": "required"}
@@ -91,6 +115,80 @@ def _wrong_type(param: str, expected: str, value: object) -> InvalidRequest:
     )
 
 
+def _reject_unknown(obj: dict[str, Any], allowed: frozenset[str], param: str) -> None:
+    """Raise ``unknown_parameter`` naming ``param.<key>`` for the first (sorted) member not in ``allowed``."""
+    unknown = sorted(str(k) for k in obj if k not in allowed)
+    if unknown:
+        p = f"{param}.{unknown[0]}"
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: '{p}'.", param=p, code="unknown_parameter"
+        )
+
+
+def _depth_exceeds(value: object, limit: int) -> bool:
+    """Whether ``value`` nests objects/arrays more than ``limit`` levels deep (iterative, no recursion)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _check_parameters(parameters: dict[str, Any], param: str) -> None:
+    """Refuse a ``parameters`` schema nested too deeply or whose ``type`` is not an object's."""
+    if _depth_exceeds(parameters, MAX_SCHEMA_DEPTH):
+        raise InvalidRequest(
+            f"Invalid value for '{param}': the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep.",
+            param=param,
+            code="invalid_value",
+        )
+    if "type" in parameters:
+        t = parameters["type"]
+        if t != "object" and not (isinstance(t, list) and "object" in t):
+            shown = json.dumps(t, ensure_ascii=False) if isinstance(t, (str, list)) else _kind(t)
+            raise InvalidRequest(
+                f"Invalid value for '{param}': the schema must describe an object ('type': 'object'), "
+                f"got 'type': {shown[:64]}.",
+                param=param,
+                code="invalid_value",
+            )
+
+
+def relocate_refs(node: Any, prefix: str) -> Any:
+    """A copy of a schema whose local ``$ref`` pointers (``#/...``) are moved under ``prefix``.
+
+    Iterative (an explicit stack, no recursion), so no nesting depth can raise ``RecursionError``; values of
+    ``const``/``enum``/``default``/``examples`` are JSON values, kept as they are.
+    """
+    if not isinstance(node, (dict, list)):
+        return node
+    root: Any = {} if isinstance(node, dict) else []
+    stack: list[tuple[Any, Any]] = [(node, root)]
+    while stack:
+        src, dst = stack.pop()
+        items = src.items() if isinstance(src, dict) else enumerate(src)
+        for k, v in items:
+            if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                v = prefix + v[1:]
+            elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in _NO_COPY):
+                child: Any = {} if isinstance(v, dict) else []
+                stack.append((v, child))
+                v = child
+            if isinstance(dst, dict):
+                dst[k] = v
+            else:
+                dst.append(v)
+    return root
+
+
 def _parse_tool(i: int, entry: object, seen: set[str]) -> FunctionTool:
     p = f"tools[{i}]"
     if not isinstance(entry, dict):
@@ -103,6 +201,7 @@ def _parse_tool(i: int, entry: object, seen: set[str]) -> FunctionTool:
             param=f"{p}.type",
             code="invalid_value",
         )
+    _reject_unknown(entry, _TOOL_KEYS, p)
     fn = entry.get("function")
     if fn is None:
         raise InvalidRequest(
@@ -112,6 +211,7 @@ def _parse_tool(i: int, entry: object, seen: set[str]) -> FunctionTool:
         )
     if not isinstance(fn, dict):
         raise _wrong_type(f"{p}.function", "an object", fn)
+    _reject_unknown(fn, _FUNCTION_KEYS, f"{p}.function")
     pn = f"{p}.function.name"
     name = fn.get("name")
     if name is None:
@@ -139,9 +239,11 @@ def _parse_tool(i: int, entry: object, seen: set[str]) -> FunctionTool:
         raise _wrong_type(f"{p}.function.description", "a string", description)
     parameters = fn.get("parameters")
     if parameters is None:
-        parameters = dict(_EMPTY_PARAMETERS)
+        parameters = {"type": "object", "properties": {}, "additionalProperties": False}  # no arguments
     elif not isinstance(parameters, dict):
         raise _wrong_type(f"{p}.function.parameters", "an object", parameters)
+    else:
+        _check_parameters(parameters, f"{p}.function.parameters")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise _wrong_type(f"{p}.function.strict", "a boolean", strict)
@@ -156,7 +258,10 @@ def _parse_choice(choice: object) -> tuple[ToolMode | None, str | None]:
         if choice in _CHOICES:
             return _CHOICES[choice], None
     elif isinstance(choice, dict) and choice.get("type") == "function":
+        _reject_unknown(choice, _CHOICE_KEYS, "tool_choice")
         fn = choice.get("function")
+        if isinstance(fn, dict):
+            _reject_unknown(fn, _CHOICE_FUNCTION_KEYS, "tool_choice.function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if isinstance(name, str) and name:
             return "named", name
@@ -181,9 +286,13 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolP
             ``type`` not ``"function"`` (``tools[i].type``, code ``invalid_value``); ``function`` missing or
             not an object (``tools[i].function``); a name missing, not a string, empty, not matching
             ``NAME_PATTERN`` or repeated (``tools[i].function.name``); ``description``/``parameters``/
-            ``strict`` of the wrong type (``tools[i].function.<field>``); ``tool_choice`` not one of the
-            accepted values, naming a function not in ``tools``, or ``"required"``/named without tools
-            (``tool_choice``); ``parallel_tool_calls`` not a boolean (``parallel_tool_calls``).
+            ``strict`` of the wrong type (``tools[i].function.<field>``); ``parameters`` nested deeper than
+            ``MAX_SCHEMA_DEPTH`` or with a ``type`` that is not ``"object"`` (nor a list holding it)
+            (``tools[i].function.parameters``, code ``invalid_value``); a member not in the shapes above
+            (code ``unknown_parameter``, param the member's path: ``tools[i].x``, ``tools[i].function.x``,
+            ``tool_choice.x``, ``tool_choice.function.x``); ``tool_choice`` not one of the accepted values,
+            naming a function not in ``tools``, or ``"required"``/named without tools (``tool_choice``);
+            ``parallel_tool_calls`` not a boolean (``parallel_tool_calls``).
     """
     if tools is None:
         tools = []

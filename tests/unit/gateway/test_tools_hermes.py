@@ -12,9 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.model_path import default_model_path
+from backend.protocol import SamplingParams
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import InvalidRequest
+from gateway.generation.events import TextDelta
+from gateway.generation.request import GenerationRequest
+from gateway.openai.stream import ChatStream
+from gateway.streaming import ResponseWriter
 from gateway.tools import HermesFormat, HermesParser, ToolCallDelta, parse_tools, tool_format
+from gateway.tools.parser import json_members
+from gateway.tools.spec import relocate_refs
 from templating.tokenizer import load_tokenizer
 
 H = HermesFormat()
@@ -186,7 +193,10 @@ def test_preamble():
         WEATHER,
         {
             "type": "function",
-            "function": {"name": "now-2", "parameters": {"type": "object", "properties": {}}},
+            "function": {
+                "name": "now-2",
+                "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+            },
         },
         BOOK,
     ]
@@ -268,6 +278,37 @@ def test_history_calls_parse_back():
         ("get_weather", {"city": "Paris"}),
         ("get_weather", "{oops"),
     ]
+
+
+@pytest.mark.parametrize("args", ["[" * 1000, "[" * 100_000, "[" * 3000 + "]" * 3000, '{"a": ' * 2000])
+def test_render_history_keeps_too_deep_arguments_as_a_string(args):
+    msgs = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}]
+    body = H.render_history(msgs, None)[0]["content"].split("\n")[1]
+    assert json.loads(body) == {"name": "f", "arguments": args}
+
+
+def test_omitted_parameters_grammar_takes_no_arguments(tk, lt):
+    g = H.grammar(plan("required", tools=[NOW]))
+    assert accepts(tk, lt, g, call("now-2", {}))
+    assert not accepts(tk, lt, g, call("now-2", {"x": 1}))
+
+
+def test_relocate_refs_is_iterative():
+    """No recursion: a 5000-level schema is copied (parse_tools refuses it, but nothing may raise here)."""
+    deep: dict = {"$ref": "#/$defs/A", "enum": [{"$ref": "#/kept"}]}
+    for _ in range(5000):
+        deep = {"items": [deep], "const": {"$ref": "#/kept"}}
+    out = relocate_refs(deep, "#/properties/arguments")
+    node = out
+    for _ in range(5000):
+        assert node is not deep and node["const"] == {"$ref": "#/kept"}
+        node, deep = node["items"][0], deep["items"][0]
+    assert node == {"$ref": "#/properties/arguments/$defs/A", "enum": [{"$ref": "#/kept"}]}
+    assert deep["$ref"] == "#/$defs/A"  # input untouched
+    assert relocate_refs(BOOK["function"]["parameters"], "#/p")["properties"]["who"] == {
+        "$ref": "#/p/$defs/Person"
+    }
+    assert relocate_refs("x", "#/p") == "x"
 
 
 def test_tool_format_is_hermes():
@@ -393,6 +434,36 @@ def test_generated_calls_round_trip(args_list, data):
     assert run(chunks) == ("", expected, False)
 
 
+DEEP = "[" * 3000 + "]" * 3000  # valid JSON the decoder cannot nest into (RecursionError)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (  # announced, then unparsable: stays a call with the argument text streamed
+            f'<tool_call>\n{{"name": "f", "arguments": {{"a": {DEEP}}}}}\n</tool_call>',
+            "",
+            [("f", f'{{"a": {DEEP}}}')],
+        ),
+        (  # never announced: given back as content
+            f'<tool_call>\n{{"arguments": {DEEP}, "name": "f"}}\n</tool_call>',
+            f'<tool_call>\n{{"arguments": {DEEP}, "name": "f"}}\n</tool_call>',
+            [],
+        ),
+        (  # cut inside: finish() parses what it has
+            '<tool_call>\n{"name": "f", "arguments": ' + "[" * 3000,
+            "",
+            [("f", "[" * 3000)],
+        ),
+    ],
+    ids=["announced", "other order", "cut"],
+)
+def test_too_deep_output_is_unparsable_not_an_error(text, content, calls):
+    assert json_members(f'{{"a": {DEEP}}}') is None
+    assert run([text]) == (content, calls, True)
+    assert run(list(text)) == (content, calls, True)
+
+
 def test_arguments_stream_before_the_block_ends():
     p = HermesParser()
     assert p.feed('Hi <tool_call>\n{"name": "get_weather", "arguments": ') == ("Hi", [])
@@ -418,3 +489,41 @@ def test_grammar_output_parses(tk, lt):
         ("get_weather", {"city": "Paris"}),
         ("book", json.loads(BOOKED.split("\n")[1])["arguments"]),
     ]
+
+
+def test_chat_stream_sends_each_call_once_per_chunk():
+    """The parser's header and first fragment of a call (same index, one event) are one ``tool_calls``
+    entry: a client reading ``tool_calls[0]`` sees the fragment too."""
+
+    async def send(msg: dict) -> None:
+        del msg
+
+    req = GenerationRequest(
+        request_id="chatcmpl-x", api="openai", model="m", prompt_ids=[1], sampling=SamplingParams(n=1)
+    )
+    stream = ChatStream(None, req, ResponseWriter(send))  # type: ignore[arg-type]
+    p = HermesParser()
+    text, deltas = p.feed(f'Hi {PARIS}\n<tool_call>\n{{"name": "now-2", "arguments": {{"a')
+    assert [d.index for d in deltas] == [0, 0, 1, 1]
+    sent = json.loads(stream.delta(TextDelta(index=0, text=text, tool_calls=deltas)))
+    first = p.calls[0]
+    assert sent["choices"][0]["delta"] == {
+        "content": "Hi",
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": first.id,
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {
+                "index": 1,
+                "id": deltas[2].id,
+                "type": "function",
+                "function": {"name": "now-2", "arguments": '{"a'},
+            },
+        ],
+    }
+    more = [ToolCallDelta(index=1, arguments='": '), ToolCallDelta(index=1, arguments="1}")]
+    sent = json.loads(stream.delta(TextDelta(index=0, text="", tool_calls=more)))
+    assert sent["choices"][0]["delta"] == {"tool_calls": [{"index": 1, "function": {"arguments": '": 1}'}}]}

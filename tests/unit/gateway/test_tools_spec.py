@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.tools.spec import FunctionTool, ToolPlan, parse_tools
+from gateway.tools.spec import MAX_SCHEMA_DEPTH, FunctionTool, ToolPlan, parse_tools
 
 
 def fn(name: str = "get_weather", **extra: object) -> dict:
@@ -36,7 +36,10 @@ def test_defaults_auto_and_parallel():
                 description="Weather for a city",
                 parameters=WEATHER["function"]["parameters"],
             ),
-            FunctionTool(name="now", parameters={"type": "object", "properties": {}}),
+            FunctionTool(
+                name="now",
+                parameters={"type": "object", "properties": {}, "additionalProperties": False},
+            ),
         ),
         mode="auto",
         parallel=True,
@@ -96,6 +99,40 @@ def test_strict_and_names():
         (None, "required", None, "tool_choice", "invalid_value"),
         ([], {"type": "function", "function": {"name": "a"}}, None, "tool_choice", "invalid_value"),
         (None, "bogus", None, "tool_choice", "invalid_value"),
+        (
+            [fn("a", parameters={"type": "array"})],
+            None,
+            None,
+            "tools[0].function.parameters",
+            "invalid_value",
+        ),
+        (
+            [fn("a", parameters={"type": "string"})],
+            None,
+            None,
+            "tools[0].function.parameters",
+            "invalid_value",
+        ),
+        ([fn("a", parameters={"type": ["array", "null"]})], None, None, "tools[0].function.parameters", None),
+        ([fn("a", parameters={"type": 3})], None, None, "tools[0].function.parameters", "invalid_value"),
+        ([WEATHER, fn("a", parameters={"type": None})], None, None, "tools[1].function.parameters", None),
+        ([{**WEATHER, "foo": 1}], None, None, "tools[0].foo", "unknown_parameter"),
+        ([fn("a", foo=None)], None, None, "tools[0].function.foo", "unknown_parameter"),
+        ([fn("a", arguments={})], None, None, "tools[0].function.arguments", "unknown_parameter"),
+        (
+            [WEATHER],
+            {"type": "function", "function": {"name": "get_weather"}, "x": 1},
+            None,
+            "tool_choice.x",
+            "unknown_parameter",
+        ),
+        (
+            [WEATHER],
+            {"type": "function", "function": {"name": "get_weather", "strict": True}},
+            None,
+            "tool_choice.function.strict",
+            "unknown_parameter",
+        ),
         ([WEATHER], "auto", "true", "parallel_tool_calls", "invalid_type"),
         (None, None, 1, "parallel_tool_calls", "invalid_type"),
     ],
@@ -119,3 +156,65 @@ def test_messages_are_openai_style():
     with pytest.raises(InvalidRequest) as e:
         parse_tools("x", None, None)
     assert e.value.message == "Invalid type for 'tools': expected an array, but got a string instead."
+
+
+def nested(levels: int) -> dict:
+    """A ``parameters`` object nesting exactly ``levels`` objects/arrays (itself included)."""
+    junk: list = []
+    for _ in range(levels - 2):
+        junk = [junk]
+    return {"type": "object", "x-junk": junk}
+
+
+def test_parameters_depth_limit():
+    assert _depth(nested(MAX_SCHEMA_DEPTH)) == MAX_SCHEMA_DEPTH
+    ok = parse_tools([fn("a", parameters=nested(MAX_SCHEMA_DEPTH))], None, None)
+    assert ok.tools[0].parameters == nested(MAX_SCHEMA_DEPTH)
+    for levels in (MAX_SCHEMA_DEPTH + 1, 500, 100_000):  # measured without recursion: any depth is a 400
+        with pytest.raises(InvalidRequest) as e:
+            parse_tools([WEATHER, fn("a", parameters=nested(levels))], None, None)
+        assert (e.value.param, e.value.code) == ("tools[1].function.parameters", "invalid_value")
+        assert f"more than {MAX_SCHEMA_DEPTH} levels" in e.value.message
+    deep_props: dict = {"type": "string"}  # nesting through properties counts too
+    for _ in range(MAX_SCHEMA_DEPTH):
+        deep_props = {"type": "object", "properties": {"p": deep_props}}
+    with pytest.raises(InvalidRequest):
+        parse_tools([fn("a", parameters=deep_props)], None, None)
+
+
+def _depth(v: object) -> int:
+    if not isinstance(v, (dict, list)):
+        return 0
+    return 1 + max(map(_depth, v.values() if isinstance(v, dict) else v), default=0)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{}, {"type": "object"}, {"type": ["object", "null"]}, {"properties": {"a": {"type": "array"}}}],
+)
+def test_object_parameters_accepted(parameters):
+    assert parse_tools([fn("a", parameters=parameters)], None, None).tools[0].parameters == parameters
+
+
+def test_omitted_parameters_allow_no_arguments():
+    plan = parse_tools([fn("a"), fn("b", parameters=None)], None, None)
+    assert [t.parameters for t in plan.tools] == [
+        {"type": "object", "properties": {}, "additionalProperties": False}
+    ] * 2
+    a, b = (t.parameters for t in plan.tools)
+    assert a is not b and a["properties"] is not b["properties"]  # no shared, mutable default
+
+
+def test_unknown_members_are_openai_style():
+    with pytest.raises(InvalidRequest) as e:
+        parse_tools([fn("a", foo=1, bar=2)], None, None)
+    assert e.value.message == "Unrecognized request argument supplied: 'tools[0].function.bar'."
+    assert (e.value.param, e.value.code, e.value.status) == (
+        "tools[0].function.bar",
+        "unknown_parameter",
+        400,
+    )
+    # a tool_choice object of another type is an invalid value, not an unknown member
+    with pytest.raises(InvalidRequest) as e:
+        parse_tools([WEATHER], {"type": "allowed_tools", "allowed_tools": {}}, None)
+    assert (e.value.param, e.value.code) == ("tool_choice", "invalid_value")
