@@ -38,13 +38,14 @@ pass, applied in the sampler).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -183,6 +184,92 @@ def _short(message: str) -> str:
     return text
 
 
+# ----------------------------------------------------------------------------- JSON Schema refs
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The node a local JSON pointer (``#/$defs/a``) names, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+_ANNOTATIONS = frozenset(
+    {"$ref", "title", "description", "$comment", "default", "examples", "$id", "$schema"}
+)
+_WRAPPERS = ("allOf", "anyOf", "oneOf")
+
+
+def _only_ref(node: Any) -> str | None:
+    """The ``$ref`` of a node that says nothing else (its content is all the referenced node's): a bare
+    ``{"$ref": ...}`` (annotations and ``$defs`` aside), or an ``allOf``/``anyOf``/``oneOf`` of one such
+    node and nothing else, at any depth of such wrapping."""
+    for _ in range(64):
+        if not isinstance(node, dict):
+            return None
+        keys = set(node) - _ANNOTATIONS - {"$defs", "definitions"}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not keys:
+            return ref
+        if ref is None and len(keys) == 1:
+            (k,) = keys
+            if k in _WRAPPERS and isinstance(node[k], list) and len(node[k]) == 1:
+                node = node[k][0]
+                continue
+        return None
+    return None
+
+
+MAX_REF_CHAIN = 256  # refs in a row that describe nothing; llguidance's compiler recurses along them
+
+
+def ref_cycle(schema: Any, max_nodes: int = 200_000) -> list[str] | None:
+    """A chain of ``$ref`` that comes back to where it started without describing anything, or one longer
+    than ``MAX_REF_CHAIN`` (its first links, then "..."); None when there is neither.
+
+    O(nodes + refs x pointer depth): every node is visited once (iteratively, never recursing), and
+    every ref's chain is followed once (the links left from a ref already seen are remembered).
+    """
+    if not isinstance(schema, dict):
+        return None
+    left: dict[str, int] = {}  # ref -> links from it to a node that describes something
+    stack: list[Any] = [schema]
+    seen = 0
+    while stack and seen < max_nodes:
+        node = stack.pop()
+        seen += 1
+        if isinstance(node, dict):
+            ref = _only_ref(node)
+            if ref is not None and ref not in left:
+                chain: list[str] = []
+                on_chain: set[str] = set()
+                cur: str | None = ref
+                while cur is not None and cur not in left:
+                    if cur in on_chain:
+                        return chain[chain.index(cur) :] + [cur]
+                    chain.append(cur)
+                    on_chain.add(cur)
+                    cur = _only_ref(_pointer(schema, cur))
+                tail = left[cur] if cur is not None else 0
+                for k, link in enumerate(chain):
+                    left[link] = tail + len(chain) - k
+                if left[ref] > MAX_REF_CHAIN:
+                    return chain[:3] + ["..."]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
 class GrammarCompiler:
     """Compiles grammars against one vocabulary on a worker thread; caches the results by ``Grammar.key``.
 
@@ -236,6 +323,13 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached.deep_copy()  # type: ignore[attr-defined]
+        if grammar.kind == "json_schema":  # guard the compiler's recursion, whoever sent the grammar
+            try:
+                chain = ref_cycle(json.loads(grammar.source))
+            except (ValueError, RecursionError):
+                chain = None  # the compiler reports bad JSON itself
+            if chain:
+                raise GrammarError(f"'$ref' chain {' -> '.join(chain)} describes no value")
         matcher = llg.LLMatcher(tok, to_llguidance(grammar), log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise GrammarError(_short(matcher.get_error()))
@@ -371,6 +465,7 @@ __all__ = [
     "advance",
     "available",
     "check_grammar",
+    "ref_cycle",
     "error_message",
     "finished",
     "to_llguidance",

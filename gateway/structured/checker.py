@@ -36,6 +36,7 @@ import msgspec
 import trio
 
 from backend import grammar as G
+from backend.grammar import ref_cycle
 from backend.protocol import Grammar
 from gateway.errors import InvalidRequest
 
@@ -49,81 +50,6 @@ class GrammarCheck(msgspec.Struct, frozen=True, kw_only=True):
     grammar: Grammar
     param: str
     schemas: list[tuple[str, Any]] = []
-
-
-def _pointer(root: Any, ref: str) -> Any:
-    """The node a local JSON pointer (``#/$defs/a``) names, or None."""
-    if not ref.startswith("#"):
-        return None
-    node = root
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
-_ANNOTATIONS = frozenset(
-    {"$ref", "title", "description", "$comment", "default", "examples", "$id", "$schema"}
-)
-_WRAPPERS = ("allOf", "anyOf", "oneOf")
-
-
-def _only_ref(node: Any) -> str | None:
-    """The ``$ref`` of a node that says nothing else (its content is all the referenced node's): a bare
-    ``{"$ref": ...}`` (annotations and ``$defs`` aside), or an ``allOf``/``anyOf``/``oneOf`` of one such
-    node and nothing else, at any depth of such wrapping."""
-    for _ in range(64):
-        if not isinstance(node, dict):
-            return None
-        keys = set(node) - _ANNOTATIONS - {"$defs", "definitions"}
-        ref = node.get("$ref")
-        if isinstance(ref, str) and not keys:
-            return ref
-        if ref is None and len(keys) == 1:
-            (k,) = keys
-            if k in _WRAPPERS and isinstance(node[k], list) and len(node[k]) == 1:
-                node = node[k][0]
-                continue
-        return None
-    return None
-
-
-def ref_cycle(schema: Any, max_nodes: int = 200_000) -> list[str] | None:
-    """A chain of ``$ref`` that comes back to where it started without describing anything, or None.
-
-    O(nodes + refs x pointer depth): every node is visited once (iteratively, never recursing), and
-    every ref's chain is followed once (a chain already known to end is not walked again).
-    """
-    if not isinstance(schema, dict):
-        return None
-    ends: set[str] = set()  # refs whose chain reaches a node that describes something
-    stack: list[Any] = [schema]
-    seen = 0
-    while stack and seen < max_nodes:
-        node = stack.pop()
-        seen += 1
-        if isinstance(node, dict):
-            ref = _only_ref(node)
-            if ref is not None and ref not in ends:
-                chain: list[str] = []
-                on_chain: set[str] = set()
-                cur: str | None = ref
-                while cur is not None and cur not in ends:
-                    if cur in on_chain:
-                        return chain[chain.index(cur) :] + [cur]
-                    chain.append(cur)
-                    on_chain.add(cur)
-                    cur = _only_ref(_pointer(schema, cur))
-                ends.update(chain)
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return None
 
 
 class GrammarChecker:
@@ -178,6 +104,8 @@ class GrammarChecker:
         for where, doc in docs:
             cycle = ref_cycle(doc)
             if cycle:
+                if cycle[-1] == "...":
+                    return where, f"'$ref' chain {' -> '.join(cycle)} is longer than {G.MAX_REF_CHAIN} links."
                 return where, f"'$ref' cycle {' -> '.join(cycle)} describes no value."
         try:
             G.check_grammar(grammar, self._llg_tokenizer())

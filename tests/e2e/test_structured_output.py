@@ -163,6 +163,13 @@ BIG_SCHEMA = {
     "properties": {f"field_{i:06d}": {"type": "string"} for i in range(40_000)},
 }
 
+ALLOF_CYCLE = {
+    "type": "object",
+    "properties": {"x": {"allOf": [{"$ref": "#/$defs/a"}]}},
+    "required": ["x"],
+    "$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}},
+}
+WIDE_SCHEMA = {"type": "object", "properties": {f"p{i:03d}": {"type": "string"} for i in range(600)}}
 BAD_INPUT = [
     ("invalid schema", {"response_format": _rf("x", {"type": "foo"})}, "response_format*"),
     (
@@ -193,6 +200,32 @@ BAD_INPUT = [
         "structured_outputs",
     ),
     ("bad regex", {"extra_body": {"structured_outputs": {"regex": "("}}}, "structured_outputs*"),
+    # compile fine, fail on their first tokens: caught by the check's walks, before any byte
+    (
+        "ref cycle through allOf",
+        {"response_format": _rf("x", ALLOF_CYCLE)},
+        "response_format",
+    ),
+    ("600 optional properties", {"response_format": _rf("wide", WIDE_SCHEMA)}, "response_format"),
+    (
+        "choice of 2001 strings",
+        {"extra_body": {"structured_outputs": {"choice": [f"c{i}" for i in range(2001)]}}},
+        "structured_outputs",
+    ),
+    (
+        "lark rule without a base case",
+        {"extra_body": {"structured_outputs": {"grammar": 'start: a\na: "x" a'}}},
+        "structured_outputs",
+    ),
+    (
+        "forced tool call with a bad response_format",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": "required",
+            "response_format": _rf("x", {"type": "foo"}),
+        },
+        "response_format",
+    ),
 ]
 
 
@@ -210,6 +243,33 @@ def test_bad_structured_input_is_400(client, gateway, what, kw, param, stream):
 
 def test_big_schema_stays_under_the_body_limit():
     assert len(json.dumps(BIG_SCHEMA)) < 4 * 1024 * 1024 - 10_000
+
+
+def _chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string", "maxLength": 5}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"], "$defs": defs}
+
+
+def test_ref_chains(client, gateway):
+    """A chain of 200 refs is served; one of 2,500 (in a schema or in a tool's parameters) is a 400 at once:
+    llguidance's compiler recurses along such chains, and a long one overflowed a worker thread's stack."""
+    import time
+
+    r = client.chat.completions.create(
+        model=gateway.model, messages=_user("x?"), response_format=_rf("c", _chain(200)), max_tokens=20
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    t0 = time.monotonic()
+    err = _bad(client, gateway, response_format=_rf("c", _chain(2500)))
+    assert (err["param"], err["code"]) == ("response_format", "invalid_value") and "chain" in err["message"]
+    # 300 links: over the limit, and its tools preamble still fits the context (2,500 would not: a 400 too)
+    tool = {"type": "function", "function": {"name": "f", "parameters": _chain(300)}}
+    err = _bad(client, gateway, tools=[tool], tool_choice="required")
+    assert err["param"] == "tools[0].function.parameters", err
+    assert time.monotonic() - t0 < 20
+    r = client.chat.completions.create(model=gateway.model, messages=_user("hi"), max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")  # the server is still there
 
 
 def test_unknown_member_of_json_schema_is_400(client, gateway):
