@@ -35,6 +35,7 @@ from gateway.state import Gateway
 from gateway.structured import formats
 from gateway.structured.checker import GrammarCheck
 from gateway.tools import ToolParser, ToolPlan, parse_tools, tool_format
+from gateway.tools.parser import CallsOnly
 
 
 class ChatConstraints(msgspec.Struct, kw_only=True):
@@ -97,7 +98,10 @@ def chat_constraints(
         and plan.mode != "none"
         and (not checks or checks[0].param in ("tools", "tool_choice"))
     ):
-        out.parser = lambda: fmt.parser(plan)
+        if plan.mode in ("required", "named"):
+            out.parser = lambda: CallsOnly(fmt.parser(plan))
+        else:
+            out.parser = lambda: fmt.parser(plan)
     if gw.template.supports_tools and gw.template.supports_tool_calls:
         out.tools = req.tools if plan is not None else None
     elif plan is not None or _has_tool_history(messages):

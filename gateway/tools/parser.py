@@ -24,6 +24,7 @@ import msgspec
 from gateway.tools.spec import ToolPlan
 
 __all__ = [
+    "CallsOnly",
     "ToolCallDelta",
     "ToolCall",
     "ToolParser",
@@ -266,3 +267,25 @@ class MarkerFinder:
             i += 1
         self.pos = i
         return None
+
+
+class CallsOnly:
+    """The parser of a forced call (``tool_choice`` "required" or named): its grammar allows calls only,
+    so no text is content, not even the start of a call cut by ``max_tokens`` before its name."""
+
+    def __init__(self, inner: ToolParser) -> None:
+        self.inner = inner
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        return "", self.inner.feed(text)[1]
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return "", self.inner.finish()[1]
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.inner.calls
+
+    @property
+    def incomplete(self) -> bool:
+        return self.inner.incomplete

@@ -269,6 +269,8 @@ def test_cut_call_is_length(answers):
     c = resp.choices[0]
     assert c.finish_reason == "length", c
     assert resp.usage.completion_tokens == 5
+    # a forced call's grammar allows calls only: the cut start of one is not content
+    assert not c.message.content and not c.message.tool_calls, c.message
 
 
 def test_logprobs_with_forced_call(answers):
