@@ -61,6 +61,8 @@ def from_response_format(rf: Any) -> Grammar | None:
             param=f"response_format.{sorted(extra)[0]}",
             code="unknown_parameter",
         )
+    if kind in ("text", "json_object") and "json_schema" in rf:
+        raise _bad("response_format.json_schema", f"is only allowed with type 'json_schema', not {kind!r}.")
     if kind == "text":
         return None
     if kind == "json_object":

@@ -214,7 +214,11 @@ class HermesFormat:
                 continue
             if calls:
                 if not isinstance(calls, list):
-                    calls = [calls]
+                    raise InvalidRequest(
+                        f"Invalid type for 'messages[{i}].tool_calls': expected an array of tool calls.",
+                        param=f"messages[{i}].tool_calls",
+                        code="invalid_type",
+                    )
                 blocks = [_call_block(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
             else:
                 blocks = [_call_block({"function": legacy}, f"messages[{i}].function_call")]

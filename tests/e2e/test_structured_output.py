@@ -200,6 +200,11 @@ BAD_INPUT = [
         "structured_outputs",
     ),
     ("bad regex", {"extra_body": {"structured_outputs": {"regex": "("}}}, "structured_outputs*"),
+    (
+        "json_schema with type text",
+        {"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+        "response_format.json_schema",
+    ),
     # compile fine, fail on their first tokens: caught by the check's walks, before any byte
     (
         "ref cycle through allOf",

@@ -527,3 +527,12 @@ def test_chat_stream_sends_each_call_once_per_chunk():
     more = [ToolCallDelta(index=1, arguments='": '), ToolCallDelta(index=1, arguments="1}")]
     sent = json.loads(stream.delta(TextDelta(index=0, text="", tool_calls=more)))
     assert sent["choices"][0]["delta"] == {"tool_calls": [{"index": 1, "function": {"arguments": '": 1}'}}]}
+
+
+def test_history_tool_calls_must_be_an_array():
+    """``tool_calls`` given as one object (not an array) is a 400 naming it, not rendered as if listed."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": call}]
+    with pytest.raises(InvalidRequest) as ei:
+        HermesFormat().render_history(msgs, None)
+    assert ei.value.param == "messages[1].tool_calls"
