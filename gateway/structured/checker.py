@@ -112,7 +112,18 @@ class GrammarChecker:
         except G.GrammarUnavailable:
             raise
         except G.GrammarError as exc:
-            return None, str(exc)[:500]
+            return self._blame(schemas) or (None, str(exc)[:500])
+        return None
+
+    def _blame(self, schemas: Sequence[tuple[str, Any]]) -> tuple[str, str] | None:
+        """The first of ``schemas`` (tool parameters) that fails alone, with its own error: a message about
+        the client's schema instead of the tool grammar built around it."""
+        for where, doc in schemas:
+            text = msgspec.json.encode(doc).decode()
+            try:
+                G.check_grammar(Grammar(kind="json_schema", source=text), self._llg_tokenizer(), walk=0)
+            except G.GrammarError as exc:
+                return where, str(exc)[:500]
         return None
 
     async def check(self, grammar: Grammar, param: str, *, schemas: Sequence[tuple[str, Any]] = ()) -> None:

@@ -166,6 +166,10 @@ CYCLE_TOOL = {
         },
     },
 }
+BAD_PROPERTY = {
+    "type": "function",
+    "function": {"name": "g", "parameters": {"type": "object", "properties": {"a": {"type": "foo"}}}},
+}
 BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}
 BAD_TOOLS = [
     ("tool without name", {"tools": [NAMELESS]}, "tools[0].function.name"),
@@ -185,6 +189,11 @@ BAD_TOOLS = [
     ),
     ("invalid parameters schema, auto", {"tools": [BAD_SCHEMA]}, "tool*"),
     ("invalid parameters schema, required", {"tools": [BAD_SCHEMA], "tool_choice": "required"}, "tool*"),
+    (
+        "invalid property schema, required",
+        {"tools": [WEATHER, BAD_PROPERTY], "tool_choice": "required"},
+        "tools[1].function.parameters",
+    ),
     ("duplicate names", {"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ("tool type not function", {"tools": [{**WEATHER, "type": "retrieval"}]}, "tools[0].type"),
     (
