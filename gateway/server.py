@@ -15,7 +15,9 @@ Lifecycle:
    is answered 503 ``server_shutting_down`` (``gateway.middleware.drain.DrainGate``; the probes and
    monitoring still answer), while in-flight requests run on for up to ``--drain-timeout`` seconds; when
    the last one ends (or the time is up) hypercorn stops (1 s more grace, then the rest is cancelled),
-   then backends get ``Shutdown`` (bounded wait, then SIGKILL). A second signal exits at once.
+   then backends get ``Shutdown`` (bounded wait, then SIGKILL). A second signal exits at once, if it comes
+   ``DUPLICATE_SIGNAL_S`` or more after the first: a signal sent to a process group reaches the gateway twice
+   when a parent forwards it too (``make serve``, a shell), and that is one request to stop.
 """
 
 from __future__ import annotations
@@ -143,14 +145,24 @@ async def serve(settings: Settings) -> None:
         nursery.cancel_scope.cancel()
 
 
+DUPLICATE_SIGNAL_S = 1.0  # a second signal sooner than this after the first is the same request to stop
+
+
 async def _signals(shutdown: trio.Event, pool: BackendPool, scope: trio.CancelScope) -> None:
+    first = 0.0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
         async for sig in sigs:
             if shutdown.is_set():
+                if trio.current_time() - first < DUPLICATE_SIGNAL_S:
+                    log.info(
+                        "signal %s again (forwarded by a parent): still draining", signal.Signals(sig).name
+                    )
+                    continue
                 log.warning("second signal: exiting now")
                 scope.cancel()
                 return
             log.info("signal %s: draining", signal.Signals(sig).name)
+            first = trio.current_time()
             pool.draining = True
             shutdown.set()
 
