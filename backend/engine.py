@@ -413,6 +413,9 @@ class Engine:
         req.states[index].matcher = None  # frees the grammar state
         if all(req.done):
             self.requests.pop(req.request_id, None)
+            pending = self.compiling.pop(req.request_id, None)  # ended before its grammar was ready
+            if pending is not None:
+                pending[2].cancel()
             self.num_finished += 1
 
     def _fail(self, req: EngineRequest, message: str, code: str = "internal_error") -> RequestError:

@@ -314,10 +314,11 @@ class GrammarCompiler:
                     raise GrammarUnavailable(f"cannot load the model's vocabulary: {exc}") from None
             return self._tokenizer
 
-    def compile(self, grammar: Grammar) -> object:
-        """A fresh matcher for ``grammar`` (a copy of the cached compiled one). Raises ``GrammarError``."""
+    def compile(self, grammar: Grammar, key: str | None = None) -> object:
+        """A fresh matcher for ``grammar`` (a copy of the cached compiled one). ``key``: its
+        ``grammar_key`` when the caller has it. Raises ``GrammarError``."""
         tok = self.tokenizer()
-        key = grammar_key(grammar.kind, grammar.source)  # computed here: a sender's key is not trusted
+        key = key or grammar_key(grammar.kind, grammar.source)  # computed here: a sender's key is not trusted
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -343,12 +344,13 @@ class GrammarCompiler:
     def submit(self, grammar: Grammar) -> Future:
         """``compile`` on the worker thread; the future's result is a matcher, or it raises. A grammar
         already compiled is copied at once: the future is done on return."""
+        key = grammar_key(grammar.kind, grammar.source)
         with self._lock:
-            cached = self._cache.get(grammar_key(grammar.kind, grammar.source))
+            cached = self._cache.get(key)
         if cached is None or self._tokenizer is None:
-            return self._pool.submit(self.compile, grammar)
+            return self._pool.submit(self.compile, grammar, key)
         done: Future = Future()
-        done.set_result(self.compile(grammar))
+        done.set_result(self.compile(grammar, key))
         return done
 
     def close(self) -> None:

@@ -603,3 +603,19 @@ def test_apply_masks_kernel_equals_torch_path():
     assert torch.equal(a[1], logits[1]) and torch.equal(a[3], logits[3])  # unconstrained rows untouched
     assert int(torch.isinf(a[4]).sum()) == int((~allowed[0]).sum())
     assert cpu_kernels.load() is None or cpu_kernels.enabled()  # the kernel path ran when it is built
+
+
+def test_abort_choice_while_compiling(runner, compiler, color_prompt):
+    """Aborting the only choice (index 0) of a request whose grammar is still compiling ends the request:
+    it must leave ``compiling`` too, so the finished compile never queues a sequence for it."""
+    eng = Engine(runner, grammar=compiler)
+    g = gram("lark", 'start: "one" | "two" | "three" | "four" | "five" | "six"')
+    sub = Submit(request_id="k", prompt_ids=color_prompt, sampling=SamplingParams(max_tokens=5), grammar=g)
+    assert eng.add_request(sub) is None
+    assert "k" in eng.compiling
+    outs = eng.abort_choice("k", 0)
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert "k" not in eng.compiling and "k" not in eng.requests
+    res = eng.generate([])  # let the compile finish: nothing may run for "k"
+    assert res == {} and not eng.scheduler.waiting and not eng.scheduler.running
+    assert_clean(eng)
