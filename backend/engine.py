@@ -323,9 +323,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
-        pending = self.compiling.pop(request_id, None)
-        if pending is not None:
-            pending[2].cancel()
+        self._drop_compile(request_id)
         self.num_aborts += 1
         now = time.monotonic()
         outs = []
@@ -413,10 +411,14 @@ class Engine:
         req.states[index].matcher = None  # frees the grammar state
         if all(req.done):
             self.requests.pop(req.request_id, None)
-            pending = self.compiling.pop(req.request_id, None)  # ended before its grammar was ready
-            if pending is not None:
-                pending[2].cancel()
+            self._drop_compile(req.request_id)  # it may end before its grammar is ready
             self.num_finished += 1
+
+    def _drop_compile(self, request_id: str) -> None:
+        """Forget a request's pending compile (its result, if it comes, is never used)."""
+        pending = self.compiling.pop(request_id, None)
+        if pending is not None:
+            pending[2].cancel()
 
     def _fail(self, req: EngineRequest, message: str, code: str = "internal_error") -> RequestError:
         for i, seq in enumerate(req.seqs):
@@ -425,7 +427,7 @@ class Engine:
             req.done[i] = True
             req.states[i].matcher = None
         self.requests.pop(req.request_id, None)
-        self.compiling.pop(req.request_id, None)
+        self._drop_compile(req.request_id)
         param = "grammar" if code == "grammar_error" else None
         return RequestError(request_id=req.request_id, code=code, message=message, param=param)
 
