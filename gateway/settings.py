@@ -74,6 +74,13 @@ class HTTPSettings(Section):
     grammar_timeout: Annotated[
         float, _opt("seconds a grammar may take to compile and check (400 beyond)", gt=0)
     ] = 2.0
+    body_timeout: Annotated[
+        float,
+        _opt("seconds a request body may take to arrive (408 and connection close beyond; 0: none)", ge=0),
+    ] = 30.0
+    filter_budget: Annotated[
+        float, _opt("seconds of content-filter matching one request may use (the request fails beyond)", gt=0)
+    ] = 1.0
     cors_origins: Annotated[list[str], _opt("origins allowed by CORS ('*': any)")] = msgspec.field(
         default_factory=lambda: ["*"]
     )
@@ -95,6 +102,12 @@ class BackendSettings(Section):
     request_buffer: Annotated[
         int, _opt("backend outputs buffered per request before a slow client is aborted", ge=1)
     ] = 4096
+    max_backlog_tokens: Annotated[
+        int,
+        _opt(
+            "tokens generated but not yet read by the client, per choice, before the request is stopped", ge=1
+        ),
+    ] = 256
 
     def __post_init__(self) -> None:
         for url in self.backend_url:
