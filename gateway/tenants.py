@@ -93,7 +93,7 @@ class Tenants:
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Open (create, migrate) the database, create the default tenant if it is empty, check the limiter,
-        start the ledger writer in ``nursery``."""
+        start the ledger writer and the limiter's task (Redis: the lease heartbeat) in ``nursery``."""
         await self.store.open()
         if self.create_default and await self.store.call(Store.count_tenants) == 0:
             t = await self.store.call(Store.create_tenant, "default")
@@ -103,6 +103,7 @@ class Tenants:
                 f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now"
             )
         await self.admission.start()
+        await nursery.start(self.admission.run)
         await nursery.start(self.ledger.run)
         self._started = True
 
@@ -171,6 +172,16 @@ class Tenants:
                 request_id=request_id,
             ) as res:
                 yield res
+        except AdmissionError as e:
+            raise api_error(e) from None
+
+    async def clear_leases(self, tenant_id: str) -> tuple[int, int]:
+        """Free the concurrency slots of tenant ``tenant_id`` and of its keys, in every gateway sharing the
+        limiter: (slots of the tenant scope, slots of its keys). Raises
+        :class:`~gateway.errors.ServiceUnavailable` (503, Redis did not answer)."""
+        keys = await self.store.call(Store.list_keys, tenant_id)
+        try:
+            return await self.admission.clear_leases(tenant_id, [k.id for k in keys])
         except AdmissionError as e:
             raise api_error(e) from None
 

@@ -13,11 +13,15 @@ On exit, however the block ends (normally, by an exception, by cancellation), th
 slot is freed, and one ledger row is queued; with Redis that runs cancel-shielded and bounded.
 Entering raises :class:`~ratelimit.errors.RateLimitExceeded` (429) or
 :class:`~ratelimit.errors.LimiterUnavailable` (503, Redis did not answer; whatever it reserved is taken back).
+
+With Redis the concurrency slots are leases that this process renews: run :meth:`Admission.run` in the nursery
+that owns the admission (``await nursery.start(admission.run)``); :meth:`Admission.aclose` stops it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +43,8 @@ log = logging.getLogger("ratelimit.admission")
 
 DAY_S = 86400.0  # a POSIX day
 RELEASE_TIMEOUT_S = 5.0  # seconds a shared true-up may take (shielded) before it is logged and dropped
+PEEK_TIMEOUT_S = 1.0  # seconds the best-effort x-ratelimit-* headers of a response may wait for Redis
+STORE_BACKOFF_S = 1.0  # after Redis failed to answer, seconds during which those headers are not asked for
 
 
 class UsageBook(Protocol):
@@ -49,6 +55,16 @@ class UsageBook(Protocol):
     async def tokens_on_day(
         self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
     ) -> int: ...
+
+
+def unavailable() -> LimiterUnavailable:
+    """The 503 for a store that did not answer: ``retry-after: 1`` (Redis is usually back within seconds)."""
+    return LimiterUnavailable(
+        "The rate limiter is unavailable; try again shortly.",
+        type="server_error",
+        code="rate_limiter_unavailable",
+        headers={"retry-after": "1"},
+    )
 
 
 def _no_status(exc: BaseException) -> int:
@@ -80,11 +96,17 @@ class Admission:
         self._day_start, self._day_text = -1.0, ""
         self._seeds: dict[str, int] = {}  # daily counter key -> tokens in the ledger when first seen
         self._seed_day = ""
+        self._store_failed_at = -math.inf  # trio time of the last Redis call that failed
 
     async def start(self) -> None:
         """Check that the limiter answers (Redis: ``PING``); raises ``OSError``/``RedisError`` if not."""
         if isinstance(self.limiter, RedisLimiter):
             await self.limiter.ping()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The limiter's own task (Redis: the lease heartbeat, :meth:`RedisLimiter.run`) until :meth:`aclose`;
+        in-process: returns once started. ``await nursery.start(admission.run)``."""
+        await self.limiter.run(task_status=task_status)
 
     async def aclose(self) -> None:
         await self.limiter.aclose()
@@ -147,13 +169,9 @@ class Admission:
                 outcome = await limiter.acquire(dims, member)
         except (OSError, RedisError, trio.TooSlowError) as e:
             log.error("admission: rate-limit store unavailable: %s", type(e).__name__)
+            self._store_failed_at = trio.current_time()
             await self._undo(limiter, dims, member)
-            raise LimiterUnavailable(
-                "The rate limiter is unavailable; try again shortly.",
-                type="server_error",
-                code="rate_limiter_unavailable",
-                headers={"retry-after": "1"},
-            ) from None
+            raise unavailable() from None
         if not outcome.ok:
             raise refusal(outcome.results)
         return outcome.results
@@ -193,7 +211,8 @@ class Admission:
             raise ValueError("token counts must be >= 0")
         now = time.time()
         dims = self.dims(subject, prompt_tokens + max_tokens, now)
-        member = request_id or secrets.token_hex(8)
+        # unique even when clients reuse a request id (a concurrency slot is one member of a set)
+        member = f"{request_id or 'r'}.{secrets.token_hex(8)}"
         results: list[DimResult] = []
         if dims:
             if any(d.kind == "daily" for d in dims):
@@ -255,11 +274,46 @@ class Admission:
         await self.close(res)
 
     async def peek_headers(self, subject: Subject) -> dict[str, str]:
-        """Current ``x-ratelimit-*`` headers of ``subject`` without reserving anything."""
+        """Current ``x-ratelimit-*`` headers of ``subject`` without reserving anything. Best effort: ``{}``
+        when Redis does not answer within ``PEEK_TIMEOUT_S`` or failed less than ``STORE_BACKOFF_S`` ago (a
+        response never waits on a store that is down)."""
         dims = [d for d in self.dims(subject, 0, time.time()) if d.kind == "bucket"]
         if not dims:
             return {}
-        return headers_for(await self.limiter.peek(dims))
+        if isinstance(self.limiter, LocalLimiter):
+            return headers_for(self.limiter.peek_now(dims))
+        if trio.current_time() - self._store_failed_at < STORE_BACKOFF_S:
+            return {}
+        try:
+            with trio.fail_after(min(PEEK_TIMEOUT_S, self.store_timeout_s)):
+                return headers_for(await self.limiter.peek(dims))
+        except (OSError, RedisError, trio.TooSlowError) as e:
+            log.warning(
+                "admission: rate-limit headers left out, the store did not answer: %s", type(e).__name__
+            )
+            self._store_failed_at = trio.current_time()
+            return {}
+
+    async def clear_leases(self, tenant_id: str, key_ids: list[str]) -> tuple[int, int]:
+        """Free every concurrency slot of tenant ``tenant_id`` and of its keys ``key_ids`` (with Redis: in
+        every process sharing the store). Returns (slots the tenant scope held, slots its keys held). The
+        requests that held them run on, no longer counted.
+
+        Raises:
+            LimiterUnavailable: 503, Redis did not answer within ``store_timeout_s``.
+        """
+        keys = [f"t:{tenant_id}:conc", *(f"k:{k}:conc" for k in key_ids)]
+        if isinstance(self.limiter, LocalLimiter):
+            counts = self.limiter.clear_now(keys)
+        else:
+            try:
+                with trio.fail_after(self.store_timeout_s):
+                    counts = await self.limiter.clear(keys)
+            except (OSError, RedisError, trio.TooSlowError) as e:
+                log.error("admission: rate-limit store unavailable: %s", type(e).__name__)
+                self._store_failed_at = trio.current_time()
+                raise unavailable() from None
+        return counts[0], sum(counts[1:])
 
     def _bill(self, res: Reservation) -> None:
         s, now = res.subject, time.time()

@@ -10,8 +10,9 @@ Algorithm (see docs/tenancy.md): every limited *dimension* of a scope (a tenant,
   minute (cost 1) and tokens per minute (cost ``prompt_tokens + max_tokens``, OpenAI's way of counting TPM).
   Equivalent to GCRA (Generic Cell Rate Algorithm, ITU-T I.371; https://brandur.org/rate-limiting) with
   burst = limit: the theoretical arrival time is ``now + debt / rate``.
-* ``conc`` -- concurrent requests in flight (count; with Redis a sorted set of leases so that a crashed
-  process cannot leak slots forever).
+* ``conc`` -- concurrent requests in flight: the set of the admitted requests' members (with Redis a sorted
+  set of leases, member -> expiry, renewed by the process holding them, so that a crashed process's slots
+  lapse within seconds; see :mod:`ratelimit.redis_limiter`).
 * ``daily`` -- tokens per UTC day (a counter per day key; exhausting it yields ``insufficient_quota``).
 
 Admission checks *all* dimensions and reserves them all together or none (all-or-nothing). The in-process
@@ -26,6 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_WINDOW_S = 60.0
+# seconds a concurrency 429 tells the client to wait (``retry-after``): a slot frees when a request in flight
+# ends, which no limiter can predict, so this is a short poll hint; with Redis it is shortened to the moment the
+# earliest lease lapses if that comes sooner (a slot held by a process that stopped frees then)
+CONC_RETRY_S = 1.0
 
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "daily_tokens")
 # the response headers of :func:`headers_for` (OpenAI's names), limit before remaining before reset

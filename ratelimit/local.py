@@ -12,11 +12,16 @@ import math
 import time
 from collections.abc import Callable
 
-from .core import Dim, DimResult, Outcome
+import trio
+
+from .core import CONC_RETRY_S, Dim, DimResult, Outcome
 
 
 class LocalLimiter:
-    """Token buckets (debt form), concurrency counters and daily counters of one process.
+    """Token buckets (debt form), concurrency slots and daily counters of one process.
+
+    A concurrency dimension holds the set of the members (one per admitted request) in it, so a release
+    frees that request's slot only, and :meth:`clear_now` can empty a scope while its requests still run.
 
     ``clock`` returns seconds (monotonic); injectable for tests of the arithmetic only.
     """
@@ -26,7 +31,7 @@ class LocalLimiter:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (debt, at)
-        self._conc: dict[str, int] = {}
+        self._conc: dict[str, set[str]] = {}  # key -> members holding a slot
         self._daily: dict[str, int] = {}
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -45,7 +50,7 @@ class LocalLimiter:
             reset = debt / rate if rate > 0 else (0.0 if debt <= 0 else math.inf)
             return debt, d.limit - debt, reset
         if d.kind == "conc":
-            used = self._conc.get(d.key, 0)
+            used = len(self._conc.get(d.key, ()))
             return used, d.limit - used, 0.0
         used = self._daily.get(d.key, d.seed)
         return used, d.limit - used, d.ttl_s
@@ -60,7 +65,7 @@ class LocalLimiter:
             rate = d.limit / d.window_s
             retry = (d.cost - remaining) / rate if rate > 0 else math.inf
         elif d.kind == "conc":
-            retry = 1.0
+            retry = CONC_RETRY_S  # a slot frees when a request ends: a poll hint (see ratelimit.core)
         else:
             retry = d.ttl_s
         return DimResult(d, False, max(0.0, remaining), reset, retry)
@@ -82,7 +87,7 @@ class LocalLimiter:
                 rate = d.limit / d.window_s if d.limit > 0 else 0.0
                 r.reset_s = debt / rate if rate > 0 else 0.0
             elif d.kind == "conc":
-                self._conc[d.key] = self._conc.get(d.key, 0) + 1
+                self._conc.setdefault(d.key, set()).add(member)
             else:
                 self._daily[d.key] = self._daily.get(d.key, d.seed) + d.cost
         return Outcome(True, results)
@@ -99,11 +104,11 @@ class LocalLimiter:
                 debt = max(0.0, self._debt(d, now) - refund)
                 self._buckets[d.key] = (debt, now)
             elif d.kind == "conc":
-                n = self._conc.get(d.key, 0) - 1
-                if n > 0:
-                    self._conc[d.key] = n
-                else:
-                    self._conc.pop(d.key, None)
+                members = self._conc.get(d.key)
+                if members is not None:
+                    members.discard(member)
+                    if not members:
+                        del self._conc[d.key]
             else:
                 self._daily[d.key] = max(0, self._daily.get(d.key, d.seed) - refund)
         return self.peek_now(dims) if report else []
@@ -115,6 +120,11 @@ class LocalLimiter:
             _, remaining, reset = self._state(d, now)
             out.append(DimResult(d, True, max(0.0, remaining), reset))
         return out
+
+    def clear_now(self, keys: list[str]) -> list[int]:
+        """Free every slot of the concurrency dimensions ``keys`` (``t:<tenant>:conc``...); returns how many
+        each held. The requests holding them go on; their release then frees nothing."""
+        return [len(self._conc.pop(k, ())) for k in keys]
 
     def has_daily(self, key: str) -> bool:
         return key in self._daily
@@ -133,6 +143,13 @@ class LocalLimiter:
 
     async def peek(self, dims: list[Dim]) -> list[DimResult]:
         return self.peek_now(dims)
+
+    async def clear(self, keys: list[str]) -> list[int]:
+        return self.clear_now(keys)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Nothing to keep alive in-process (the slots live as long as this process): started, returns."""
+        task_status.started()
 
     async def aclose(self) -> None:
         pass

@@ -3,18 +3,36 @@
 Check-and-reserve of all dimensions is ONE Lua script (``EVALSHA``): Redis runs a script atomically, so two
 processes can never both pass a check for the last unit (no check-then-increment race), and a request is
 reserved in every dimension or in none. The clock is the Redis server's ``TIME`` so all processes agree.
-Concurrency slots are leases in a sorted set (score = expiry), so a crashed process frees its slots after
-``lease_s`` seconds. Sources: https://redis.io/docs/latest/develop/interact/programmability/eval-intro/ ,
-GCRA as in https://brandur.org/rate-limiting and the redis-cell module.
+
+Concurrency slots are *leases*: a sorted set per scope (``<prefix>t:<tenant>:conc``), member = the request's
+unique member, score = the lease's expiry (Redis time, seconds). The acquire script drops the expired members
+before it counts, so a slot is counted exactly while its lease lives: never more than ``max_concurrent``
+across every process sharing the Redis database. A lease lives ``lease_s`` (:data:`LEASE_TTL_S`, 8 s) and the
+process holding it renews it: :meth:`RedisLimiter.run` is one task per process that renews all the leases the
+process holds every ``lease_s / 4`` (one script call), so a live process's slots never lapse while a process
+that dies (kill -9, host lost) frees its slots at most ``lease_s`` after its last renewal. A renewal extends
+only leases that are still alive: one that lapsed (Redis out of reach for longer than ``lease_s``) or was
+cleared (:meth:`RedisLimiter.clear`, the admin API) is not brought back, and its request runs on uncounted.
+
+Sources: https://redis.io/docs/latest/develop/interact/programmability/eval-intro/ , GCRA as in
+https://brandur.org/rate-limiting and the redis-cell module, leases as in
+https://redis.io/docs/latest/develop/use/patterns/distributed-locks/ (expiring, renewed by their holder).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 
-from .core import Dim, DimResult, Outcome
+import trio
+
+from .core import CONC_RETRY_S, Dim, DimResult, Outcome
 from .resp import RedisClient, RedisError
+
+log = logging.getLogger("ratelimit.redis")
+
+LEASE_TTL_S = 8.0  # seconds a concurrency lease lives unless its holder renews it (every LEASE_TTL_S / 4)
 
 SCRIPT = r"""
 local mode = ARGV[1]
@@ -65,14 +83,20 @@ for i = 1, n do
     allok = 0
     if cost > limit then retry = -1
     elseif kind == 'bucket' then retry = (cost - remaining) / (limit / window)
-    elseif kind == 'conc' then retry = 1
+    elseif kind == 'conc' then
+      -- a slot frees when a request ends (unpredictable: a short hint), at the latest when the earliest
+      -- lease lapses if its holder stopped renewing it
+      retry = __CONC_RETRY_S__
+      local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+      if first[2] and tonumber(first[2]) - now < retry then retry = tonumber(first[2]) - now end
     else retry = ttl end
   end
   st[i] = {kind, limit, cost, window, ttl, key, used}
   res[i] = {ok, remaining, reset, retry}
 end
 if mode == 'acquire' and allok == 1 then
-  if marker then redis.call('SET', marker, '1', 'PX', math.ceil(lease * 1000)) end
+  -- the marker outlives any undo (an hour); release deletes it
+  if marker then redis.call('SET', marker, '1', 'PX', 3600000) end
   for i = 1, n do
     local kind, limit, cost, window, ttl, key, used = unpack(st[i])
     if kind == 'bucket' then
@@ -125,38 +149,98 @@ end
 return out
 """
 
+SCRIPT = SCRIPT.replace("__CONC_RETRY_S__", repr(float(CONC_RETRY_S)))
 SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
+
+# KEYS: lease sets; ARGV: ttl_s, then per key the number of members and the members. Renews the leases that
+# are still alive (score > now) to now + ttl_s; a lapsed or cleared one stays gone. Returns how many it renewed.
+RENEW_SCRIPT = r"""
+local ttl = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local expiry = string.format('%.6f', now + ttl)
+local j = 2
+local renewed = 0
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local n = tonumber(ARGV[j])
+  j = j + 1
+  local alive = 0
+  for k = 1, n do
+    local score = redis.call('ZSCORE', key, ARGV[j])
+    if score and tonumber(score) > now then
+      redis.call('ZADD', key, 'XX', expiry, ARGV[j])
+      alive = alive + 1
+    end
+    j = j + 1
+  end
+  if alive > 0 then redis.call('PEXPIRE', key, math.ceil(ttl * 1000)) end
+  renewed = renewed + alive
+end
+return renewed
+"""
+RENEW_SHA = hashlib.sha1(RENEW_SCRIPT.encode()).hexdigest()
+
+# KEYS: lease sets. Deletes them; returns per key how many live leases it held.
+CLEAR_SCRIPT = r"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local out = {}
+for i = 1, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', string.format('%.6f', now))
+  out[i] = redis.call('ZCARD', KEYS[i])
+  redis.call('DEL', KEYS[i])
+end
+return out
+"""
+CLEAR_SHA = hashlib.sha1(CLEAR_SCRIPT.encode()).hexdigest()
 
 
 class RedisLimiter:
     """Limiter whose state lives in Redis (keys prefixed ``prefix``); every call is one script round-trip.
 
-    Errors: :class:`ratelimit.resp.RedisError` when Redis is unreachable (the gateway answers 503/500).
+    Args:
+        url: ``redis://[:password@]host:port[/db]``.
+        prefix: key prefix in Redis.
+        lease_s: seconds a concurrency lease lives without renewal (:data:`LEASE_TTL_S`); :meth:`run` renews
+            this process's leases every ``lease_s / 4``.
+
+    Errors: :class:`ratelimit.resp.RedisError` or ``OSError`` when Redis is unreachable (admission answers 503).
     """
 
     shared = True
 
-    def __init__(self, url: str, *, prefix: str = "gw:rl:", lease_s: float = 3600.0) -> None:
+    def __init__(self, url: str, *, prefix: str = "gw:rl:", lease_s: float = LEASE_TTL_S) -> None:
+        if not lease_s > 0:
+            raise ValueError("lease_s must be > 0")
         self.client = RedisClient(url)
         self.prefix = prefix
-        self.lease_s = lease_s
+        self.lease_s = float(lease_s)
+        self.renew_every_s = self.lease_s / 4
+        self._held: dict[str, set[str]] = {}  # Redis key of a lease set -> the members this process holds
+        self._stop: trio.MemorySendChannel[None] | None = None
+        self._renew_failing = False
+        self._closed = False
+
+    async def _eval(self, script: str, sha: str, keys: list[str], argv: list[object]):
+        args = (len(keys), *keys, *argv)
+        try:
+            return await self.client.execute("EVALSHA", sha, *args)
+        except RedisError as e:
+            if "NOSCRIPT" not in str(e):
+                raise
+            return await self.client.execute("EVAL", script, *args)
 
     async def _run(
         self, mode: str, dims: list[Dim], member: str, costs: list[float]
     ) -> tuple[bool, list[DimResult]]:
         keys = [self.prefix + d.key for d in dims]
-        argv: list = [mode, member, repr(float(self.lease_s))]
+        argv: list[object] = [mode, member, repr(self.lease_s)]
         for d, c in zip(dims, costs):
             argv += [d.kind, d.limit, c, repr(float(d.window_s or 1.0)), d.seed, repr(float(d.ttl_s))]
         if mode != "peek":
             argv.append(self.prefix + "m:" + member)  # the acquire marker (see the script)
-        args = (len(keys), *keys, *argv)
-        try:
-            reply = await self.client.execute("EVALSHA", SHA, *args)
-        except RedisError as e:
-            if "NOSCRIPT" not in str(e):
-                raise
-            reply = await self.client.execute("EVAL", SCRIPT, *args)
+        reply = await self._eval(SCRIPT, SHA, keys, argv)
         ok = bool(int(reply[0]))
         results = []
         for i, d in enumerate(dims):
@@ -169,20 +253,47 @@ class RedisLimiter:
                     bool(int(rok)),
                     max(0.0, float(rem)),
                     math.inf if reset_f < 0 else reset_f,
-                    math.inf if retry_f < 0 else retry_f,
+                    math.inf if retry_f < 0 else max(0.0, retry_f),
                 )
             )
         return ok, results
 
+    def _hold(self, dims: list[Dim], member: str) -> None:
+        for d in dims:
+            if d.kind == "conc":
+                self._held.setdefault(self.prefix + d.key, set()).add(member)
+
+    def _drop(self, dims: list[Dim], member: str) -> None:
+        for d in dims:
+            if d.kind == "conc":
+                key = self.prefix + d.key
+                members = self._held.get(key)
+                if members is not None:
+                    members.discard(member)
+                    if not members:
+                        del self._held[key]
+
+    @property
+    def held(self) -> int:
+        """How many leases this process holds (and renews)."""
+        return sum(len(m) for m in self._held.values())
+
     async def acquire(self, dims: list[Dim], member: str) -> Outcome:
+        """Check and reserve ``dims`` for ``member`` (unique per request) in one script; a reserved
+        concurrency slot is a lease this process then renews until :meth:`release`."""
         if not dims:
             return Outcome(True, [])
         ok, results = await self._run("acquire", dims, member, [d.cost for d in dims])
+        if ok:
+            self._hold(dims, member)
         return Outcome(ok, results)
 
     async def release(self, dims: list[Dim], member: str, refunds: dict[str, int]) -> list[DimResult]:
+        """Give back ``refunds`` and free the slot. The lease stops being renewed first, so a release that
+        fails (Redis unreachable) still frees the slot when the lease lapses."""
         if not dims:
             return []
+        self._drop(dims, member)
         _, results = await self._run("release", dims, member, [refunds.get(d.key, 0) for d in dims])
         return results
 
@@ -192,6 +303,7 @@ class RedisLimiter:
         (timeout, dropped connection): the script may or may not have run. Returns True if it released."""
         if not dims:
             return False
+        self._drop(dims, member)
         released, _ = await self._run("undo", dims, member, [d.cost for d in dims])
         return released
 
@@ -201,6 +313,65 @@ class RedisLimiter:
         _, results = await self._run("peek", dims, "", [0 for _ in dims])
         return results
 
+    async def clear(self, keys: list[str]) -> list[int]:
+        """Delete the lease sets of the concurrency dimensions ``keys`` (``t:<tenant>:conc``,
+        ``k:<key>:conc``); returns how many live leases each held. Whichever process holds them stops
+        counting them at once (its renewals do not bring them back); their requests run on."""
+        if not keys:
+            return []
+        reply = await self._eval(CLEAR_SCRIPT, CLEAR_SHA, [self.prefix + k for k in keys], [])
+        return [int(n) for n in reply]
+
+    async def renew(self) -> int:
+        """Renew every lease this process holds to ``lease_s`` from now (Redis time), in one script call;
+        returns how many were still alive. Raises ``OSError`` / ``RedisError``."""
+        held = [(key, sorted(members)) for key, members in self._held.items() if members]
+        if not held:
+            return 0
+        argv: list[object] = [repr(self.lease_s)]
+        for _, members in held:
+            argv += [len(members), *members]
+        return int(await self._eval(RENEW_SCRIPT, RENEW_SHA, [key for key, _ in held], argv))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The lease heartbeat: renew this process's leases every ``renew_every_s`` until :meth:`aclose`
+        closes its channel (or the task is cancelled). Start it in the nursery that owns the limiter:
+        ``await nursery.start(limiter.run)``. A renewal bounded by ``renew_every_s`` that fails is logged
+        (once per outage) and retried at the next tick; the leases lapse if Redis stays out of reach for
+        ``lease_s``."""
+        send, receive = trio.open_memory_channel[None](0)
+        self._stop = send
+        task_status.started()
+        async with receive:
+            while True:
+                with trio.move_on_after(self.renew_every_s):
+                    try:
+                        await receive.receive()
+                    except trio.EndOfChannel:
+                        return
+                await self._renew_once()
+
+    async def _renew_once(self) -> None:
+        try:
+            with trio.fail_after(self.renew_every_s):
+                await self.renew()
+        except (OSError, RedisError, trio.TooSlowError) as e:
+            if self._closed:
+                return
+            if not self._renew_failing:
+                log.warning(
+                    "rate limiter: cannot renew %d concurrency lease(s): %s (they lapse after %gs without "
+                    "renewal)",
+                    self.held,
+                    type(e).__name__,
+                    self.lease_s,
+                )
+            self._renew_failing = True
+            return
+        if self._renew_failing:
+            log.warning("rate limiter: lease renewals work again")
+        self._renew_failing = False
+
     def has_daily(self, key: str) -> bool:
         return False
 
@@ -209,4 +380,8 @@ class RedisLimiter:
         await self.client.execute("PING")
 
     async def aclose(self) -> None:
+        """Stop the heartbeat (its channel closes) and close the connections. Idempotent."""
+        self._closed = True
+        if self._stop is not None:
+            self._stop.close()
         await self.client.aclose()

@@ -2,11 +2,13 @@
 
 Why not redis-py: its asyncio client does not run under Trio, and its blocking client would need a thread
 hop per call. Connections are pooled; a connection interrupted mid-command (error or cancellation) is closed,
-never reused, so a reply can never be read by the wrong caller. Source: https://redis.io/docs/latest/develop/reference/protocol-spec/
+never reused, so a reply can never be read by the wrong caller, and an idle one the server closed (a restart)
+is dropped before use. Source: https://redis.io/docs/latest/develop/reference/protocol-spec/
 """
 
 from __future__ import annotations
 
+import select
 from urllib.parse import unquote, urlparse
 
 import trio
@@ -63,6 +65,16 @@ class _Conn:
         raise RedisError(f"bad reply type {t!r}")
 
 
+def _stale(conn: _Conn) -> bool:
+    """Whether an idle connection has something to read: the server closed it (EOF, e.g. Redis restarted) or
+    sent what nobody asked for. Either way it is not reused (a command sent on it would fail)."""
+    if conn.buf:
+        return True
+    poller = select.poll()
+    poller.register(conn.stream.socket.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
 def _encode(args: tuple) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for a in args:
@@ -113,7 +125,14 @@ class RedisClient:
         """Send one command, return its reply (str | int | list | None); raises RedisError on error."""
         if self._closed:
             raise RedisError("client closed")
-        conn = self._idle.pop() if self._idle else await self._connect()
+        conn = None
+        while self._idle and conn is None:
+            conn = self._idle.pop()
+            if _stale(conn):
+                conn.stream.socket.close()
+                conn = None
+        if conn is None:
+            conn = await self._connect()
         ok = False
         try:
             await conn.stream.send_all(_encode(args))

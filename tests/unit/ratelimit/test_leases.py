@@ -1,0 +1,319 @@
+"""Concurrency leases with a real redis-server: a process that stops renewing frees its slots within the
+lease, a live one keeps them, the 429's retry-after tells when a slot can free, the admin clear frees them at
+once without letting the holder's renewals or releases miscount, a reused request id takes a slot of its own,
+a stalled or restarted Redis neither hangs a response nor fails the first request after it is back."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from plugins.redis_server import redis_port, start_redis, stop_redis
+
+from auth.principal import Principal
+from ratelimit.admission import Admission
+from ratelimit.core import CONC_RETRY_S, Limits
+from ratelimit.errors import RateLimitExceeded
+from ratelimit.local import LocalLimiter
+from ratelimit.redis_limiter import LEASE_TTL_S, RedisLimiter
+from ratelimit.resp import RedisClient
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server not installed (make sysdeps)"
+)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    stop_redis(proc)
+
+
+class NullBook:
+    """Bills nowhere, has billed nothing (these tests check slots, not the ledger)."""
+
+    def record(self, row: dict[str, object]) -> None:
+        pass
+
+    async def tokens_on_day(
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
+    ) -> int:
+        return 0
+
+
+def fresh(**limits) -> Principal:
+    tag = f"l{os.getpid()}-{time.time_ns()}"
+    return Principal(f"tn_{tag}", tag, f"key_{tag}", "sk-gw-AbCd", Limits(**limits))
+
+
+def redis_admission(url: str, lease_s: float = LEASE_TTL_S) -> Admission:
+    return Admission(RedisLimiter(url, lease_s=lease_s), NullBook())
+
+
+@asynccontextmanager
+async def running(*admissions: Admission) -> AsyncIterator[None]:
+    """The admissions' tasks (Redis: lease heartbeats) in a nursery; closing the admissions ends them."""
+    async with trio.open_nursery() as nursery:
+        for adm in admissions:
+            await nursery.start(adm.run)
+        try:
+            yield
+        finally:
+            for adm in admissions:
+                await adm.aclose()
+
+
+async def hold(adm: Admission, p: Principal, *, request_id: str | None = None):
+    """Enter an admission and keep it: returns the reservation (settle it with ``adm.close``)."""
+    return await adm.reserve(p, prompt_tokens=1, max_tokens=1, request_id=request_id)
+
+
+async def refused(adm: Admission, p: Principal) -> RateLimitExceeded:
+    with pytest.raises(RateLimitExceeded) as ei:
+        await hold(adm, p)
+    return ei.value
+
+
+async def test_default_lease_is_seconds_not_an_hour(redis_url):
+    """A slot's lease in Redis expires within LEASE_TTL_S (<= 10 s) of the last renewal (it was 1 h)."""
+    adm = Admission(RedisLimiter(redis_url), NullBook())
+    raw = RedisClient(redis_url)
+    try:
+        p = fresh(max_concurrent=2)
+        res = await hold(adm, p)
+        now = float((await raw.execute("TIME"))[0])
+        members = await raw.execute("ZRANGE", f"gw:rl:t:{p.tenant_id}:conc", 0, -1, "WITHSCORES")
+        assert len(members) == 2
+        assert now < float(members[1]) <= now + 10.5
+        assert LEASE_TTL_S <= 10
+        await adm.close(res)
+    finally:
+        await raw.aclose()
+        await adm.aclose()
+
+
+async def test_stopped_holder_lapses_live_holder_is_renewed(redis_url):
+    """Process A renews its leases, process B stops (no release, no renewal: a crash): after 2.5 leases A's
+    two slots are still counted and B's slot is free, so a third process gets exactly one slot of three."""
+    lease = 0.8
+    a, b, c = (redis_admission(redis_url, lease) for _ in range(3))
+    p = fresh(max_concurrent=3)
+    try:
+        async with running(a):
+            held_a = [await hold(a, p), await hold(a, p)]
+            await hold(b, p)  # never released: B "dies" here
+            assert isinstance(a.limiter, RedisLimiter) and a.limiter.held == 2
+            e = await refused(c, p)
+            assert 0 < int(e.headers["retry-after-ms"]) <= math.ceil(lease * 1000)
+            await trio.sleep(lease * 2.5)
+            got = await hold(c, p)  # B's slot lapsed
+            await refused(c, p)  # A's two are still counted: exactly 3
+            for r in held_a:
+                await a.close(r)
+            assert a.limiter.held == 0
+            await c.close(got)
+    finally:
+        for adm in (b, c):
+            await adm.aclose()
+
+
+async def test_concurrency_retry_after_is_when_a_slot_can_free(redis_url):
+    """Blocked by a live holder: retry-after-ms is the short hint (CONC_RETRY_S). Blocked by leases of a
+    stopped holder about to lapse: retry-after-ms is the time to the earliest lapse, and waiting it out (plus
+    a scheduling margin) admits the request."""
+    lease = 0.6
+    dead, probe = redis_admission(redis_url, lease), redis_admission(redis_url, lease)
+    live = redis_admission(redis_url, 5.0)
+    try:
+        p = fresh(max_concurrent=1)
+        r = await hold(live, p)
+        e = await refused(probe, p)
+        assert e.headers["retry-after-ms"] == str(math.ceil(CONC_RETRY_S * 1000))
+        assert e.headers["retry-after"] == "1" and "x-should-retry" not in e.headers
+        await live.close(r)
+
+        q = fresh(max_concurrent=1)
+        await hold(dead, q)  # lapses in 0.6 s, never renewed
+        await trio.sleep(0.2)
+        e = await refused(probe, q)
+        wait_ms = int(e.headers["retry-after-ms"])
+        assert 0 < wait_ms <= 450, wait_ms  # ~0.4 s left of the lease, not the 1 s hint
+        await trio.sleep(wait_ms / 1000 + 0.05)
+        await probe.close(await hold(probe, q))
+    finally:
+        for adm in (dead, probe, live):
+            await adm.aclose()
+
+
+def _admissions(kind: str, url: str) -> tuple[Admission, Admission]:
+    """Two admissions sharing one limiter state: two Redis clients, or one in-process limiter."""
+    if kind == "redis":
+        return redis_admission(url, 1.0), redis_admission(url, 1.0)
+    local = LocalLimiter()
+    return Admission(local, NullBook()), Admission(local, NullBook())
+
+
+@pytest.mark.parametrize("kind", ["local", "redis"])
+async def test_clear_frees_slots_and_nothing_miscounts_after(redis_url, kind):
+    """clear_leases frees the tenant's and its key's slots at once; the holder's renewals do not bring them
+    back and its later releases do not free the slots admitted after the clear."""
+    holder, other = _admissions(kind, redis_url)
+    p = fresh(max_concurrent=2)
+    p = Principal(p.tenant_id, p.tenant_name, p.key_id, p.key_prefix, p.limits, Limits(max_concurrent=2))
+    try:
+        async with running(holder, other):
+            old = [await hold(holder, p), await hold(holder, p)]
+            await refused(other, p)
+            assert await other.clear_leases(p.tenant_id, [p.key_id]) == (2, 2)
+            assert await other.clear_leases(p.tenant_id, [p.key_id]) == (0, 0)
+            new = [await hold(other, p), await hold(other, p)]
+            await trio.sleep(1.5)  # a lease and more: the holder renewed what it holds (Redis)
+            await refused(other, p)  # the two new ones count, the cleared ones did not come back
+            for r in old:
+                await holder.close(r)
+            await refused(other, p)  # the old releases freed nothing of the new ones
+            for r in new:
+                await other.close(r)
+            await other.close(await hold(other, p))
+    finally:
+        await other.aclose()
+
+
+@pytest.mark.parametrize("kind", ["local", "redis"])
+async def test_reused_request_id_takes_a_slot_of_its_own(redis_url, kind):
+    """Clients choose x-request-id: two requests with the same id hold two slots (max_concurrent=1: the second
+    is refused), and the first one's release does not free the second's."""
+    one, two = _admissions(kind, redis_url)
+    p = fresh(max_concurrent=2)
+    try:
+        first = await hold(one, p, request_id="same-id")
+        second = await hold(two, p, request_id="same-id")
+        with pytest.raises(RateLimitExceeded):
+            await hold(two, p, request_id="same-id")
+        await one.close(first)
+        third = await hold(two, p, request_id="same-id")
+        with pytest.raises(RateLimitExceeded):
+            await hold(one, p, request_id="same-id")
+        await two.close(second)
+        await two.close(third)
+    finally:
+        await one.aclose()
+        await two.aclose()
+
+
+async def test_stalled_redis_does_not_hang_the_rate_limit_headers(tmp_path):
+    """The x-ratelimit-* headers the auth middleware adds to responses that did not go through admission are
+    best effort: with Redis stopped (SIGSTOP, it accepts connections and never answers) they are left out
+    within about a second instead of holding the response until Redis answers."""
+    proc, url = start_redis(tmp_path)
+    adm = redis_admission(url)
+    try:
+        p = fresh(rpm=100)
+        assert (await adm.peek_headers(p))["x-ratelimit-limit-requests"] == "100"
+        proc.send_signal(signal.SIGSTOP)
+        t0 = trio.current_time()
+        with trio.fail_after(5):
+            assert await adm.peek_headers(p) == {}
+            assert await adm.peek_headers(p) == {}  # the second one does not wait at all
+        assert trio.current_time() - t0 < 2.0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        await adm.aclose()
+        stop_redis(proc)
+
+
+async def test_first_request_after_a_redis_restart_succeeds(tmp_path):
+    """Pooled connections to a Redis that restarted are dropped before use, so the first admission after it
+    is back is not a false 503."""
+    proc, url = start_redis(tmp_path)
+    adm = redis_admission(url)
+    try:
+        p = fresh(rpm=100, max_concurrent=4)
+        async with trio.open_nursery() as nursery:  # several pooled connections
+            for _ in range(4):
+                nursery.start_soon(_admit_once, adm, p, 0.1)
+        stop_redis(proc)
+        proc, _ = start_redis(tmp_path, port=redis_port(url))
+        for _ in range(4):
+            await _admit_once(adm, p, 0.0)
+    finally:
+        await adm.aclose()
+        stop_redis(proc)
+
+
+async def _admit_once(adm: Admission, p: Principal, hold_s: float) -> None:
+    async with adm.admit(p, prompt_tokens=1, max_tokens=1) as r:
+        await trio.sleep(hold_s)
+        r.finish(completion_tokens=1)
+
+
+def test_bucket_retry_after_is_exact():
+    """rpm/tpm in-process: a refused request passes once retry-after-ms has passed, not 2 ms before (fake
+    clock)."""
+    now = [1000.0]
+    adm = Admission(LocalLimiter(clock=lambda: now[0]), NullBook())
+    cases = ((fresh(rpm=2, window_s=10), 1, 2, "requests"), (fresh(tpm=100, window_s=10), 60, 1, "tokens"))
+
+    async def main():
+        for p, cost, fits, expect_type in cases:
+            for _ in range(fits):
+                await adm.close(await adm.reserve(p, prompt_tokens=cost, max_tokens=0))
+            e = await refused_cost(adm, p, cost)
+            assert e.type == expect_type
+            wait_ms = int(e.headers["retry-after-ms"])
+            assert wait_ms > 0 and int(e.headers["retry-after"]) == math.ceil(wait_ms / 1000)
+            now[0] += wait_ms / 1000 - 0.002
+            await refused_cost(adm, p, cost)
+            now[0] += 0.002
+            await adm.close(await adm.reserve(p, prompt_tokens=cost, max_tokens=0))
+
+    trio.run(main)
+
+
+async def refused_cost(adm: Admission, p: Principal, cost: int) -> RateLimitExceeded:
+    with pytest.raises(RateLimitExceeded) as ei:
+        await adm.reserve(p, prompt_tokens=cost, max_tokens=0)
+    return ei.value
+
+
+async def test_bucket_retry_after_is_honest_with_redis(redis_url):
+    """rpm with Redis: the request refused with retry-after-ms passes after waiting that long."""
+    adm = redis_admission(redis_url)
+    try:
+        p = fresh(rpm=4, window_s=1.0)
+        for _ in range(4):
+            await adm.close(await hold(adm, p))
+        e = await refused(adm, p)
+        wait_ms = int(e.headers["retry-after-ms"])
+        assert 0 < wait_ms <= 250
+        await trio.sleep(wait_ms / 1000 + 0.02)
+        await adm.close(await hold(adm, p))
+    finally:
+        await adm.aclose()
+
+
+async def test_heartbeat_stops_when_the_limiter_closes(redis_url):
+    """The heartbeat task ends when aclose closes its channel (no cancellation needed), and renews meanwhile."""
+    adm = redis_admission(redis_url, 0.4)
+    raw = RedisClient(redis_url)
+    p = fresh(max_concurrent=1)
+    try:
+        with trio.fail_after(5):
+            async with running(adm):
+                r = await hold(adm, p)
+                key = f"gw:rl:t:{p.tenant_id}:conc"
+                first = float((await raw.execute("ZRANGE", key, 0, 0, "WITHSCORES"))[1])
+                await trio.sleep(0.5)
+                renewed = float((await raw.execute("ZRANGE", key, 0, 0, "WITHSCORES"))[1])
+                assert renewed > first
+                await adm.close(r)
+    finally:
+        await raw.aclose()
