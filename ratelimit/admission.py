@@ -245,6 +245,14 @@ class Admission:
             elif res.dims:
                 with trio.CancelScope(shield=True), trio.fail_after(RELEASE_TIMEOUT_S):
                     results = await self.limiter.release(res.dims, res.member, refunds)
+        except (OSError, RedisError, trio.TooSlowError) as e:
+            self._store_failed_at = trio.current_time()
+            log.error(
+                "admission: true-up failed for tenant %s, the store did not answer: %s (the slot lapses with its "
+                "lease, the tokens stay charged for their window)",
+                res.subject.tenant_id,
+                type(e).__name__,
+            )
         except Exception:
             log.exception("admission: true-up failed for tenant %s", res.subject.tenant_id)
         res.headers_after = headers_for([r for r in results if r.dim.kind == "bucket"])

@@ -7,12 +7,16 @@ reserved in every dimension or in none. The clock is the Redis server's ``TIME``
 Concurrency slots are *leases*: a sorted set per scope (``<prefix>t:<tenant>:conc``), member = the request's
 unique member, score = the lease's expiry (Redis time, seconds). The acquire script drops the expired members
 before it counts, so a slot is counted exactly while its lease lives: never more than ``max_concurrent``
-across every process sharing the Redis database. A lease lives ``lease_s`` (:data:`LEASE_TTL_S`, 8 s) and the
-process holding it renews it: :meth:`RedisLimiter.run` is one task per process that renews all the leases the
-process holds every ``lease_s / 4`` (one script call), so a live process's slots never lapse while a process
-that dies (kill -9, host lost) frees its slots at most ``lease_s`` after its last renewal. A renewal extends
-only leases that are still alive: one that lapsed (Redis out of reach for longer than ``lease_s``) or was
-cleared (:meth:`RedisLimiter.clear`, the admin API) is not brought back, and its request runs on uncounted.
+admitted across every process sharing the Redis database. A lease lives ``lease_s`` (:data:`LEASE_TTL_S`,
+6 s) and the process holding it renews it: :meth:`RedisLimiter.run` is one task per process that renews all the
+leases the process holds every ``lease_s / 4`` (one script call), so a live process's slots stay counted while
+a process that dies (kill -9, host lost) frees its slots at most ``lease_s`` after its last renewal. A renewal
+also puts back a lease of a running request that lapsed (Redis out of reach or the process stalled for longer
+than ``lease_s``) or was lost (Redis restarted without persistence), so the count catches up with what runs
+(it may then exceed the limit until enough requests end; no new one is admitted meanwhile). A lease cleared by
+:meth:`RedisLimiter.clear` (the admin API) is never put back: the clear leaves a tombstone set
+(``<lease set>:cleared``, a day) that the renewal checks, and the holder stops renewing it; its request runs on
+uncounted.
 
 Sources: https://redis.io/docs/latest/develop/interact/programmability/eval-intro/ , GCRA as in
 https://brandur.org/rate-limiting and the redis-cell module, leases as in
@@ -32,7 +36,7 @@ from .resp import RedisClient, RedisError
 
 log = logging.getLogger("ratelimit.redis")
 
-LEASE_TTL_S = 8.0  # seconds a concurrency lease lives unless its holder renews it (every LEASE_TTL_S / 4)
+LEASE_TTL_S = 6.0  # seconds a concurrency lease lives unless its holder renews it (every LEASE_TTL_S / 4)
 
 SCRIPT = r"""
 local mode = ARGV[1]
@@ -152,44 +156,55 @@ return out
 SCRIPT = SCRIPT.replace("__CONC_RETRY_S__", repr(float(CONC_RETRY_S)))
 SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
 
-# KEYS: lease sets; ARGV: ttl_s, then per key the number of members and the members. Renews the leases that
-# are still alive (score > now) to now + ttl_s; a lapsed or cleared one stays gone. Returns how many it renewed.
+# KEYS: per scope its lease set, then its tombstone set (``<lease set>:cleared``); ARGV: ttl_s, then per scope
+# the number of members and the members. Every member not in the tombstone set gets expiry now + ttl_s, put back
+# if it had lapsed or was lost (Redis restarted without persistence): the slots count what runs. Returns the
+# members that were cleared, which the holder stops renewing.
 RENEW_SCRIPT = r"""
 local ttl = tonumber(ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local expiry = string.format('%.6f', now + ttl)
 local j = 2
-local renewed = 0
-for i = 1, #KEYS do
-  local key = KEYS[i]
+local cleared = {}
+for i = 1, #KEYS, 2 do
+  local key, tomb = KEYS[i], KEYS[i + 1]
   local n = tonumber(ARGV[j])
   j = j + 1
-  local alive = 0
+  local kept = 0
   for k = 1, n do
-    local score = redis.call('ZSCORE', key, ARGV[j])
-    if score and tonumber(score) > now then
-      redis.call('ZADD', key, 'XX', expiry, ARGV[j])
-      alive = alive + 1
+    local m = ARGV[j]
+    if redis.call('SISMEMBER', tomb, m) == 1 then
+      cleared[#cleared + 1] = m
+    else
+      redis.call('ZADD', key, expiry, m)
+      kept = kept + 1
     end
     j = j + 1
   end
-  if alive > 0 then redis.call('PEXPIRE', key, math.ceil(ttl * 1000)) end
-  renewed = renewed + alive
+  if kept > 0 then redis.call('PEXPIRE', key, math.ceil(ttl * 1000)) end
 end
-return renewed
+return cleared
 """
 RENEW_SHA = hashlib.sha1(RENEW_SCRIPT.encode()).hexdigest()
 
-# KEYS: lease sets. Deletes them; returns per key how many live leases it held.
+# KEYS: per scope its lease set, then its tombstone set. Moves every member to the tombstone set (kept a day, so
+# the holders' renewals never bring them back) and deletes the lease set; returns per scope its live leases.
 CLEAR_SCRIPT = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local out = {}
-for i = 1, #KEYS do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', string.format('%.6f', now))
-  out[i] = redis.call('ZCARD', KEYS[i])
-  redis.call('DEL', KEYS[i])
+for i = 1, #KEYS, 2 do
+  local key, tomb = KEYS[i], KEYS[i + 1]
+  local members = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+  local live = 0
+  for k = 1, #members, 2 do
+    redis.call('SADD', tomb, members[k])
+    if tonumber(members[k + 1]) > now then live = live + 1 end
+  end
+  if #members > 0 then redis.call('PEXPIRE', tomb, 86400000) end
+  redis.call('DEL', key)
+  out[#out + 1] = live
 end
 return out
 """
@@ -319,19 +334,29 @@ class RedisLimiter:
         counting them at once (its renewals do not bring them back); their requests run on."""
         if not keys:
             return []
-        reply = await self._eval(CLEAR_SCRIPT, CLEAR_SHA, [self.prefix + k for k in keys], [])
+        sets = [self.prefix + k for k in keys]
+        reply = await self._eval(CLEAR_SCRIPT, CLEAR_SHA, [x for k in sets for x in (k, k + ":cleared")], [])
         return [int(n) for n in reply]
 
     async def renew(self) -> int:
-        """Renew every lease this process holds to ``lease_s`` from now (Redis time), in one script call;
-        returns how many were still alive. Raises ``OSError`` / ``RedisError``."""
+        """Renew every lease this process holds to ``lease_s`` from now (Redis time), in one script call,
+        putting back any that lapsed or was lost; a lease cleared by :meth:`clear` is dropped instead.
+        Returns how many it renewed. Raises ``OSError`` / ``RedisError``."""
         held = [(key, sorted(members)) for key, members in self._held.items() if members]
         if not held:
             return 0
         argv: list[object] = [repr(self.lease_s)]
         for _, members in held:
             argv += [len(members), *members]
-        return int(await self._eval(RENEW_SCRIPT, RENEW_SHA, [key for key, _ in held], argv))
+        keys = [x for key, _ in held for x in (key, key + ":cleared")]
+        cleared = set(await self._eval(RENEW_SCRIPT, RENEW_SHA, keys, argv))
+        for key, members in held:
+            gone = cleared.intersection(members)
+            if gone:
+                self._held[key] -= gone
+                if not self._held[key]:
+                    del self._held[key]
+        return sum(len(m) for _, m in held) - len(cleared)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The lease heartbeat: renew this process's leases every ``renew_every_s`` until :meth:`aclose`

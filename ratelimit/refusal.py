@@ -66,7 +66,10 @@ def refusal(results: list[DimResult]) -> RateLimitExceeded:
     retry, d = worst.retry_s, worst.dim
     headers.update(_retry_headers(retry, min_ms=1))
     if d.kind == "conc":
-        message = f"Too many concurrent requests for {d.scope}: Limit {d.limit}. Please try again later."
+        message = (
+            f"Too many concurrent requests for {d.scope}: Limit {d.limit}. A slot frees when one of them ends; "
+            f"please try again in {retry:.3g}s."
+        )
         return RateLimitExceeded(message, type="requests", code="rate_limit_exceeded", headers=headers)
     used = d.limit - int(math.floor(worst.remaining + 1e-9))
     message = (

@@ -11,16 +11,19 @@
     GET    /tenants/{id}/limits  PUT LimitsPut  PATCH LimitsPatch -> LimitsObject (applies at once)
     GET    /tenants/{id}/usage?since=&until=         -> Usage
     GET    /tenants/{id}/filters  PUT any JSON (validated by gateway.filters.parse_config) -> the config
+    DELETE /tenants/{id}/leases                      -> LeasesCleared (its concurrency slots freed, every gateway)
 
 ``{id}`` is a tenant id (``tn_...``) or its name. Every change invalidates the key cache, so it applies to the
 next request. The auth middleware checked the admin key already; each handler makes sure it did
 (:meth:`Tenants.require_admin`), so the routes stay closed in an app without it. Errors (OpenAI's body): 400
-(bad body or query), 401/403 (admin key), 404 (tenant or key), 409 (name taken), 413 (body too large).
+(bad body or query), 401/403 (admin key), 404 (tenant or key), 409 (name taken), 413 (body too large), 503
+(the shared rate limiter, Redis, did not answer).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
 import msgspec
 from starlette.requests import Request
@@ -55,6 +58,15 @@ from gateway.tenants import Tenants
 from ratelimit.core import DEFAULT_WINDOW_S, LIMIT_FIELDS, Limits
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+class LeasesCleared(msgspec.Struct, kw_only=True):
+    """``DELETE /admin/v1/tenants/{id}/leases``: the concurrency slots freed, in every gateway sharing the
+    limiter; the requests that held them run on uncounted."""
+
+    tenant_id: str
+    cleared: Annotated[int, msgspec.Meta(ge=0, description="slots the tenant scope held")]
+    key_leases_cleared: Annotated[int, msgspec.Meta(ge=0, description="slots its keys' own limits held")]
 
 
 class Conflict(APIError):
@@ -277,6 +289,13 @@ class AdminAPI:
         config = checked_filters(await read_json(request, required=True))
         return reply_json((await self.changed_tenant(t.id, filters=config)).filters)
 
+    async def clear_leases(self, request: Request) -> Response:
+        """Free the tenant's concurrency slots (a gateway that died holding them: they would lapse within the
+        lease time anyway)."""
+        t = await self.tenant_or_404(request)
+        cleared, key_cleared = await self.tenants.clear_leases(t.id)
+        return reply(LeasesCleared(tenant_id=t.id, cleared=cleared, key_leases_cleared=key_cleared))
+
     def routes(self) -> list[BaseRoute]:
         """The admin routes; mount them under ``/admin/v1``."""
         table: list[tuple[str, str, Handler]] = [
@@ -296,6 +315,7 @@ class AdminAPI:
             ("GET", "/tenants/{tenant_id}/usage", self.get_usage),
             ("GET", "/tenants/{tenant_id}/filters", self.get_filters),
             ("PUT", "/tenants/{tenant_id}/filters", self.put_filters),
+            ("DELETE", "/tenants/{tenant_id}/leases", self.clear_leases),
         ]
         return [Route(path, self.guarded(fn), methods=[method]) for method, path, fn in table]
 

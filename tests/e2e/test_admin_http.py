@@ -421,3 +421,31 @@ async def test_tenant_and_key_bodies_are_typed(env):
     assert (await c.get(f"/admin/v1/tenants/{tid}/filters", headers=A)).json() == {"hooks": []}
     r = await c.post("/admin/v1/tenants", content=b"x" * (256 * 1024 + 1), headers=A)
     assert r.status_code == 413
+
+
+async def test_lease_clear_frees_a_tenants_concurrency_slots(env):
+    """``DELETE /admin/v1/tenants/{id}/leases`` frees the slots of the tenant and of its keys at once and says
+    how many; the next request is admitted; admin key only; unknown tenant 404."""
+    t, c, _ = env
+    tn = (
+        await c.post("/admin/v1/tenants", json={"name": "stuck", "limits": {"max_concurrent": 1}}, headers=A)
+    ).json()
+    key = (
+        await c.post(f"/admin/v1/tenants/{tn['id']}/keys", json={"limits": {"max_concurrent": 1}}, headers=A)
+    ).json()["key"]
+    principal = await t.authenticate([(b"authorization", f"Bearer {key}".encode())])
+    stuck = await t.admission.reserve(principal, prompt_tokens=1, max_tokens=1)  # a slot nobody frees
+    r = await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert (await c.delete(f"/admin/v1/tenants/{tn['id']}/leases", headers=bearer(key))).status_code == 403
+    assert (await c.delete(f"/admin/v1/tenants/{tn['id']}/leases")).status_code == 401
+    r = await c.delete("/admin/v1/tenants/stuck/leases", headers=A)  # by name
+    assert r.status_code == 200, r.text
+    assert r.json() == {"tenant_id": tn["id"], "cleared": 1, "key_leases_cleared": 1}
+    r = await c.post("/v1/chat/completions", json={"messages": []}, headers=bearer(key))
+    assert r.status_code == 200, r.text
+    await t.admission.close(stuck)  # its late release frees nothing of anyone else's
+    r = await c.delete(f"/admin/v1/tenants/{tn['id']}/leases", headers=A)
+    assert r.json() == {"tenant_id": tn["id"], "cleared": 0, "key_leases_cleared": 0}
+    r = await c.delete("/admin/v1/tenants/tn_nope/leases", headers=A)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "tenant_not_found"

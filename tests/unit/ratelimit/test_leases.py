@@ -177,6 +177,8 @@ async def test_clear_frees_slots_and_nothing_miscounts_after(redis_url, kind):
             new = [await hold(other, p), await hold(other, p)]
             await trio.sleep(1.5)  # a lease and more: the holder renewed what it holds (Redis)
             await refused(other, p)  # the two new ones count, the cleared ones did not come back
+            if isinstance(holder.limiter, RedisLimiter):
+                assert holder.limiter.held == 0  # the renewal told the holder they were cleared
             for r in old:
                 await holder.close(r)
             await refused(other, p)  # the old releases freed nothing of the new ones
@@ -185,6 +187,47 @@ async def test_clear_frees_slots_and_nothing_miscounts_after(redis_url, kind):
             await other.close(await hold(other, p))
     finally:
         await other.aclose()
+
+
+async def test_renewal_puts_back_a_lapsed_lease_of_a_running_request(redis_url):
+    """A live request whose lease lapsed (its process stalled, or Redis was out of reach, for longer than the
+    lease) is counted again at the next renewal: the count catches up with what runs instead of letting the
+    tenant run over its limit until that request ends."""
+    holder, other = redis_admission(redis_url, 0.5), redis_admission(redis_url, 5.0)
+    p = fresh(max_concurrent=2)
+    try:
+        stalled = await hold(holder, p)  # no heartbeat running: the lease lapses
+        await trio.sleep(0.7)
+        admitted = [await hold(other, p), await hold(other, p)]  # 3 run now, 2 counted
+        assert isinstance(holder.limiter, RedisLimiter) and await holder.limiter.renew() == 1
+        await other.close(admitted.pop())
+        await refused(other, p)  # 2 run and 2 are counted
+        await holder.close(stalled)
+        await other.close(await hold(other, p))
+        await other.close(admitted.pop())
+    finally:
+        await holder.aclose()
+        await other.aclose()
+
+
+async def test_leases_lost_in_a_redis_restart_are_put_back(tmp_path):
+    """Redis restarts without persistence while a tenant holds all its slots: within one renewal the slots
+    count again, so the tenant cannot run twice its limit."""
+    proc, url = start_redis(tmp_path)
+    holder, other = redis_admission(url, 0.8), redis_admission(url, 0.8)
+    p = fresh(max_concurrent=2)
+    try:
+        async with running(holder, other):
+            held = [await hold(holder, p), await hold(holder, p)]
+            stop_redis(proc)
+            proc, _ = start_redis(tmp_path, port=redis_port(url))
+            await trio.sleep(0.8 / 4 + 0.3)  # one renewal and a margin
+            await refused(other, p)
+            for r in held:
+                await holder.close(r)
+            await other.close(await hold(other, p))
+    finally:
+        stop_redis(proc)
 
 
 @pytest.mark.parametrize("kind", ["local", "redis"])
