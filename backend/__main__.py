@@ -11,12 +11,17 @@ Usage::
 
 Prints one readiness line to stderr (``backend ready: listening on ...``)
 once the model is loaded and the socket listens. Exits 0 on Shutdown or
-SIGTERM/SIGINT, 2 on bad arguments, 1 when the model cannot be loaded.
+SIGTERM/SIGINT, 2 on bad arguments, and ``EXIT_MODEL_LOAD_FAILED`` (3) when the
+model cannot be loaded, after ONE line on stderr naming the file and the reason
+(``error: cannot load model /m/x.gguf: tensor 'token_embd.weight' missing``;
+``backend.protocol.load_error_line``): the gateway that spawned it reads that
+line and does not retry a first start that failed so.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from backend.model_path import DEFAULT_DTYPE, default_model_path
@@ -102,8 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def load_reason(model: str, exc: BaseException) -> str:
+    """The reason part of the load-error line: the loaders' own ``ValueError``/``FileNotFoundError`` text
+    (``no such file or directory`` for a path that does not exist), else ``TypeName: text``."""
+    if isinstance(exc, FileNotFoundError) and not os.path.exists(model):
+        return "no such file or directory"
+    if isinstance(exc, (ValueError, FileNotFoundError)) and str(exc):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the backend until Shutdown or a signal; the exit statuses are in the module docstring."""
     args = build_parser().parse_args(argv)
+    from backend.protocol import EXIT_MODEL_LOAD_FAILED, load_error_line
     from backend.server import Server, install_signal_handlers, parse_listen
 
     try:
@@ -122,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     from backend.model_runner import ModelRunner
 
     model = args.model
-    if model is None:
-        model = default_model_path()
     try:
+        if model is None:
+            model = default_model_path()
         runner = ModelRunner(
             model,
             device=args.device,
@@ -134,16 +151,17 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_bytes=args.kv_cache_memory,
             num_kv_blocks=args.num_kv_blocks,
         )
-    except Exception as exc:
-        print(f"error: cannot load model {model}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    engine = Engine(
-        runner,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-    )
+        engine = Engine(
+            runner,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        )
+    except Exception as exc:  # noqa: BLE001 - any load failure is reported as one line and a status
+        name = model or "(default model)"
+        print(load_error_line(name, load_reason(name, exc)), file=sys.stderr, flush=True)
+        return EXIT_MODEL_LOAD_FAILED
     server = Server(engine, args.listen)
     install_signal_handlers(server)
     server.serve_forever()

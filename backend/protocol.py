@@ -38,6 +38,24 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 FEATURE_GRAMMAR = "grammar"  # Submit.grammar: token masks from JSON Schema / Lark / regex
 
 
+# Process start. A backend that cannot load its model (missing file, not a model file, tensors missing, bad
+# engine options for it) writes ONE line to stderr, ``LOAD_ERROR_PREFIX + "<path>: <reason>"``, and exits with
+# ``EXIT_MODEL_LOAD_FAILED``: the supervisor that spawned it reads that line and status as the reason, and
+# does not retry the first start (gateway/backends/supervisor.py). Other statuses: 0 after Shutdown or
+# SIGTERM/SIGINT, 2 on bad arguments, anything else is a crash.
+EXIT_MODEL_LOAD_FAILED = 3
+LOAD_ERROR_PREFIX = "error: cannot load model "
+
+
+def load_error_line(model: str, reason: str) -> str:
+    """The one stderr line of a failed model load: ``error: cannot load model PATH: REASON``.
+
+    Whitespace runs in ``reason`` (newlines of a multi-line exception text included) become one space, so
+    the line is always one line.
+    """
+    return f"{LOAD_ERROR_PREFIX}{model}: {' '.join(reason.split())}"
+
+
 class ProtocolError(Exception):
     """A frame or message that breaks the protocol (too large, undecodable, wrong version)."""
 

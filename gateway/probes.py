@@ -2,7 +2,7 @@
 
 /health is liveness as in vLLM (200, empty body, while the process runs, during a drain too); /healthz
 is the same with ``{"status": "ok"}``; /readyz is readiness: 200 while a backend is ready and the gateway
-is not draining, else 503 with an OpenAI error body.
+is not draining, else 503 with an OpenAI error body whose code says why.
 """
 
 from __future__ import annotations
@@ -45,12 +45,20 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """GET /readyz: 200 ``{"status": "ready"}``, or 503 (``draining`` / ``no backend ready``)."""
+    """GET /readyz: 200 ``{"status": "ready"}``, or 503 with a code: ``server_shutting_down`` (draining),
+    ``model_unavailable`` (every backend failed its restarts; with ``retry-after``, as a request gets it),
+    ``backend_unavailable`` (starting or restarting)."""
     gw: Gateway = request.app.state.gateway
     if gw.pool.is_ready():
         return JSONResponse({"status": "ready"})
-    body = ServiceUnavailable("draining" if gw.pool.draining else "no backend ready").body()
-    return JSONResponse(body, status_code=503)
+    err: APIError | None = None
+    if gw.pool.draining:
+        err = ServiceUnavailable("draining", code="server_shutting_down")
+    else:
+        err = gw.pool.unavailable_error() or ServiceUnavailable(
+            "no backend ready", code="backend_unavailable"
+        )
+    return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
 
 async def admin_stats(request: Request) -> Response:

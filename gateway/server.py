@@ -6,18 +6,23 @@ a bad one is a message and exit status 2.
 Lifecycle:
 1. Backends: without ``--backend-url``, ``--backends`` processes ``python -m backend --model PATH --listen
    unix:SOCK`` plus the engine options are spawned (socket in a temp dir); with one or more ``--backend-url``
-   the gateway connects to them. The gateway waits for the first ``Ready``.
+   the gateway connects to them. The gateway waits for every backend's first ``Ready``. A first start that
+   fails for good (the backend cannot load its model: ``BackendStartError``, gateway/backends/supervisor.py)
+   ends the process: one line ``python -m gateway serve: error: cannot load model PATH: REASON`` on stderr,
+   exit status 1, its backends stopped; nothing retries it.
 2. Text: tokenizer + chat template loaded from ``--tokenizer``, else ``--model``, else the backend's
    ``ModelCard.model_path``. Tenancy (database, usage ledger) starts; the app is built
    (``gateway.app.build_app``: every route and the middleware order).
 3. HTTP: ``hypercorn.trio.serve`` on ``--host``/``--port``; a curl example is printed when ready.
-4. SIGINT/SIGTERM: drain. The listener stays open and every new request (new connection or kept-alive)
-   is answered 503 ``server_shutting_down`` (``gateway.middleware.drain.DrainGate``; the probes and
-   monitoring still answer), while in-flight requests run on for up to ``--drain-timeout`` seconds; when
-   the last one ends (or the time is up) hypercorn stops (1 s more grace, then the rest is cancelled),
-   then backends get ``Shutdown`` (bounded wait, then SIGKILL). A second signal exits at once, if it comes
-   ``DUPLICATE_SIGNAL_S`` or more after the first: a signal sent to a process group reaches the gateway twice
-   when a parent forwards it too (``make serve``, a shell), and that is one request to stop.
+4. SIGINT/SIGTERM before HTTP serves (a backend loading, a restart backoff, the tokenizer): stop at once, every
+   backend process SIGTERMed (SIGKILL after 3 s) and reaped, exit 0. After that: drain. The listener stays open
+   and every new request (new connection or kept-alive) is answered 503 ``server_shutting_down``
+   (``gateway.middleware.drain.DrainGate``; the probes and monitoring still answer), while in-flight requests
+   run on for up to ``--drain-timeout`` seconds; when the last one ends (or the time is up) hypercorn stops (1
+   s more grace, then the rest is cancelled), then backends get ``Shutdown`` (bounded wait, then SIGKILL). A
+   second signal exits at once, if it comes ``DUPLICATE_SIGNAL_S`` or more after the first: a signal sent to a
+   process group reaches the gateway twice when a parent forwards it too (``make serve``, a shell), and that is
+   one request to stop.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from hypercorn.trio import serve as hyper_serve
 from backend.model_path import default_model_path
 from gateway.app import build_app
 from gateway.backends.pool import BackendPool
-from gateway.backends.supervisor import BackendSupervisor, SpawnSpec
+from gateway.backends.supervisor import BackendStartError, BackendSupervisor, SpawnSpec
 from gateway.filters import TenantFilters
 from gateway.observability.access_log import configure_access_log
 from gateway.observability.metrics import GatewayMetrics
@@ -86,19 +91,39 @@ def _banner(gw: Gateway, tenancy: Tenants, settings: Settings) -> str:
     )
 
 
+class StartupError(Exception):
+    """The gateway cannot start; ``str()`` is the one-line reason (``cannot load tokenizer PATH: REASON``)."""
+
+
+def _load_tokenizer(path: str | None):
+    """``cached_tokenizer(path)``. Raises ``StartupError`` naming the path and the reason."""
+    try:
+        return cached_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's loader raises: one line, exit 1
+        raise StartupError(f"cannot load tokenizer {path}: {' '.join(str(exc).split())}") from None
+
+
 async def serve(settings: Settings) -> None:
-    """Run the gateway until SIGINT/SIGTERM (see module docstring)."""
+    """Run the gateway until SIGINT/SIGTERM (see module docstring).
+
+    Raises:
+        StartupError, BackendStartError (in an ExceptionGroup when raised after the nursery opened): the
+            model, a backend or the tokenizer cannot be loaded.
+    """
     model = settings.backend.model
     if model is None and not settings.backend.backend_url:
-        model = default_model_path()
+        try:
+            model = default_model_path()
+        except FileNotFoundError as exc:
+            raise StartupError(f"cannot load model (the default): {exc}") from None
     pool = backend_pool(settings, model)
     async with trio.open_nursery() as nursery:
-        shutdown = trio.Event()
-        nursery.start_soon(_signals, shutdown, pool, nursery.cancel_scope)
-        await nursery.start(pool.run)
+        shutdown, serving = trio.Event(), trio.Event()
+        nursery.start_soon(_signals, shutdown, serving, pool, nursery.cancel_scope)
+        await nursery.start(pool.run)  # BackendStartError: the first start failed (backends stopped)
         card = pool.card
         tok_path = settings.backend.tokenizer or model or (card.model_path if card else None)
-        tokenizer = await trio.to_thread.run_sync(cached_tokenizer, tok_path)
+        tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
         template = ChatTemplate(tokenizer, card.chat_template if card and card.chat_template else None)
         t = settings.tenancy
         tenancy = Tenants(t.db, redis_url=t.redis_url, admin_key=t.admin_key)
@@ -134,6 +159,7 @@ async def serve(settings: Settings) -> None:
                 done.set()
 
         bound = await nursery.start(http)
+        serving.set()
         print(_banner(gw, tenancy, settings), flush=True)
         log.info("listening on %s", bound)
         await done.wait()
@@ -148,10 +174,19 @@ async def serve(settings: Settings) -> None:
 DUPLICATE_SIGNAL_S = 1.0  # a second signal sooner than this after the first is the same request to stop
 
 
-async def _signals(shutdown: trio.Event, pool: BackendPool, scope: trio.CancelScope) -> None:
+async def _signals(
+    shutdown: trio.Event, serving: trio.Event, pool: BackendPool, scope: trio.CancelScope
+) -> None:
+    """SIGINT/SIGTERM: before ``serving`` (backends loading, restarting, tokenizer) stop at once (``scope``
+    cancelled: each supervisor SIGTERMs and reaps its process); then the drain of the module docstring."""
     first = 0.0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
         async for sig in sigs:
+            if not serving.is_set():
+                log.warning("signal %s during startup: stopping", signal.Signals(sig).name)
+                pool.draining = True
+                scope.cancel()
+                return
             if shutdown.is_set():
                 if trio.current_time() - first < DUPLICATE_SIGNAL_S:
                     log.info(
@@ -167,8 +202,16 @@ async def _signals(shutdown: trio.Event, pool: BackendPool, scope: trio.CancelSc
             shutdown.set()
 
 
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gateway serve [options]``; 2 on bad settings (message on stderr), 0 after a drain."""
+    """``python -m gateway serve [options]``: 0 after a drain (or a signal during startup), 2 on bad
+    settings, 1 when it cannot start (the model, a backend, the tokenizer); the error is one line on stderr
+    (``python -m gateway serve: error: cannot load model /m/x.gguf: not a GGUF file ...``)."""
     try:
         settings, notices = load_settings(argv, os.environ)
     except SettingsError as exc:
@@ -177,5 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings)
     for notice in notices:
         log.warning("%s", notice)
-    trio.run(partial(serve, settings))
+    failure: BaseException | None = None
+    try:
+        trio.run(partial(serve, settings))
+    except* (BackendStartError, StartupError) as group:
+        failure = _first_leaf(group)
+    if failure is not None:
+        print(f"python -m gateway serve: error: {failure}", file=sys.stderr, flush=True)
+        return 1
     return 0

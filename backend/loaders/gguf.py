@@ -17,6 +17,7 @@ Sources followed: GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -203,14 +204,26 @@ def load_gguf(path: str | Path, *, keep_q4: bool = False) -> tuple[LlamaWeights,
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: unsupported architecture, missing metadata or tensors, or a tensor of the wrong shape.
+        ValueError: not a GGUF file (magic), a truncated or corrupt one, no tensors (a vocab-only file),
+            unsupported architecture, missing metadata or tensors, or a tensor of the wrong shape (the
+            message names the GGUF tensor: ``tensor 'blk.0.attn_q.weight' missing``).
     """
     import gguf
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(str(path))
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"not a GGUF file (starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        # numpy reshape / memmap errors of a file cut short, or garbage where a header field should be
+        raise ValueError(f"truncated or corrupt GGUF file: {exc}") from exc
+    if not reader.tensors:
+        raise ValueError("no tensors in the file (a vocab-only GGUF?): tensor 'token_embd.weight' missing")
     cfg, meta = read_gguf_config(reader)
     tensors: dict[str, torch.Tensor] = {}
     rope_freqs = None
@@ -242,7 +255,7 @@ def load_gguf(path: str | Path, *, keep_q4: bool = False) -> tuple[LlamaWeights,
                         raw = tuple(unpermute_qk(r, heads) for r in raw)
                     q4[name] = raw
         # other tensors (e.g. rope caches of old files) are ignored
-    check_tensors(cfg, tensors)
+    check_tensors(cfg, tensors, display=gguf_tensor_name)
     card = ModelCard(
         name=path.stem,
         architecture=meta["architecture"],
@@ -257,11 +270,31 @@ def load_gguf(path: str | Path, *, keep_q4: bool = False) -> tuple[LlamaWeights,
     return LlamaWeights(config=cfg, tensors=tensors, rope_freqs=rope_freqs, meta=meta, q4=q4), card
 
 
-def check_tensors(cfg: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Check presence and shapes of every tensor the model needs.
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF name of a Hugging Face tensor name (``model.layers.3.mlp.up_proj.weight`` ->
+    ``blk.3.ffn_up.weight``); a name with no GGUF counterpart is returned as it is."""
+    for g, h in _GLOBAL_MAP.items():
+        if h == hf_name:
+            return g
+    parts = hf_name.split(".")
+    if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        module = ".".join(parts[3:-1])
+        for g, h in _LAYER_MAP.items():
+            if h == module:
+                return f"blk.{parts[2]}.{g}.weight"
+    return hf_name
+
+
+def check_tensors(
+    cfg: LlamaConfig, tensors: dict[str, torch.Tensor], *, display: Callable[[str], str] = str
+) -> None:
+    """Check presence and shapes of every tensor the model needs (HF names in ``tensors``).
+
+    ``display`` maps a tensor name to the one the error message gives (the file's own naming:
+    ``gguf_tensor_name`` for a GGUF file).
 
     Raises:
-        ValueError: a tensor is missing or has an unexpected shape.
+        ValueError: a tensor is missing (``tensor 'token_embd.weight' missing``) or has an unexpected shape.
     """
     H, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     want = {
@@ -283,6 +316,8 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
         want[p + "mlp.down_proj.weight"] = (H, inter)
     for name, shape in want.items():
         if name not in tensors:
-            raise ValueError(f"tensor {name} missing")
+            raise ValueError(f"tensor '{display(name)}' missing")
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+            raise ValueError(
+                f"tensor '{display(name)}' has shape {tuple(tensors[name].shape)}, expected {shape}"
+            )

@@ -13,7 +13,7 @@ import trio
 from backend.protocol import ModelCard, Stats
 from gateway.backends.client import BackendClient
 from gateway.backends.request import BackendUnavailable
-from gateway.backends.supervisor import BackendSupervisor
+from gateway.backends.supervisor import BackendStartError, BackendSupervisor, ModelUnavailable
 
 log = logging.getLogger("gateway.backends")
 
@@ -46,8 +46,21 @@ class BackendPool:
     def is_ready(self) -> bool:
         return not self.draining and self.ready is not None
 
+    def unavailable_error(self) -> ModelUnavailable | None:
+        """503 ``model_unavailable`` (the soonest ``retry-after``) when every backend is unavailable, else
+        None."""
+        errors = [s.unavailable_error() for s in self.supervisors]
+        if not errors or any(e is None for e in errors):
+            return None
+        return min(errors, key=lambda e: int(e.headers["retry-after"]))  # type: ignore[union-attr]
+
     async def pick(self) -> BackendClient:
-        """Least-loaded ready client; waits up to ``wait_timeout`` s for one. Raises ``BackendUnavailable``."""
+        """Least-loaded ready client; waits up to ``wait_timeout`` s for one.
+
+        Raises:
+            ModelUnavailable: every backend is unavailable (at once, no wait).
+            BackendUnavailable: draining, or none ready in time.
+        """
         if self.draining:
             raise BackendUnavailable("The gateway is shutting down.")
         live = [s.client for s in self.supervisors if s.client is not None and s.client.alive]
@@ -60,15 +73,36 @@ class BackendPool:
                 live = [s.client for s in self.supervisors if s.client is not None and s.client.alive]
                 if live:
                     return min(live, key=lambda c: c.in_flight)
+                err = self.unavailable_error()
+                if err is not None:
+                    raise err
                 await trio.sleep(0.05)
         raise BackendUnavailable("No inference backend is ready; retry shortly.")
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run every supervisor; ``started()`` once the first backend is ready."""
+        """Start every supervisor at once; ``started()`` once all of them are ready.
+
+        Raises:
+            BackendStartError: a backend's first start failed for good (the first such error; the other
+                backends are stopped).
+        """
+        failures: list[BackendStartError] = []
         async with trio.open_nursery() as nursery:
-            for s in self.supervisors:
-                await nursery.start(s.run) if s is self.supervisors[0] else nursery.start_soon(s.run)
-            task_status.started()
+
+            async def start(s: BackendSupervisor) -> None:
+                try:
+                    await nursery.start(s.run)
+                except BackendStartError as exc:
+                    failures.append(exc)
+                    nursery.cancel_scope.cancel()
+
+            async with trio.open_nursery() as starting:
+                for s in self.supervisors:
+                    starting.start_soon(start, s)
+            if not failures:
+                task_status.started()
+        if failures:
+            raise failures[0]
 
     async def stop(self, grace: float = 10.0) -> None:
         async with trio.open_nursery() as nursery:

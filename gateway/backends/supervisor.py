@@ -1,26 +1,38 @@
 """``BackendSupervisor``: one per backend (``BackendPool`` in gateway/backends/pool.py picks one per request).
 
-A supervisor owns one backend: either a process it spawns
-(``python -m backend --model PATH --listen unix:SOCK ...``) or an external
-``--backend-url``. Its ``run()`` loop: start the process, connect and
-handshake (``BackendClient.connect``), publish the client, run it until the
-connection or the process ends, then fail what was in flight (the client does
-that: HTTP 503 before streaming, an error event mid-stream), kill a
-half-dead process, wait a backoff (0.5 s doubling to 10 s, reset after 30 s of
-healthy running) and start again. ``stop()`` sends ``Shutdown`` and waits a
-bounded time for the process to exit (then SIGKILL).
+A supervisor owns one backend: either a process it spawns (``python -m backend --model PATH --listen
+unix:SOCK ...``, ``gateway/backends/process.py``) or an external ``--backend-url``. Its ``run()`` loop: start
+the process, connect and handshake (``BackendClient.connect``), publish the client, run it until the
+connection or the process ends, then fail what was in flight (the client does that: HTTP 503 before
+streaming, an error event mid-stream), stop a half-dead process (SIGTERM, then SIGKILL after 3 s), wait a
+backoff and start again.
 
-Nothing mutable is shared: handlers only read ``supervisor.client`` (a
-reference swap done by the supervisor's own task) and wait on ``ready_event``.
+Failures (an attempt that never reached ``Ready``, or a backend that ended before ``HEALTHY_S`` of running):
+
+* **First start.** A spawned backend that exits with ``EXIT_MODEL_LOAD_FAILED`` has said which file and why
+  (``backend.protocol.load_error_line``): ``run()`` raises ``BackendStartError`` with that line at once, and
+  nothing retries it. Any other failure is retried with the backoff below; ``MAX_FAILURES`` in a row raise
+  ``BackendStartError`` too. The gateway then exits non-zero (gateway/server.py).
+* **After a good start.** Restarts back off exponentially: ``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``,
+  the count and the delay reset by ``HEALTHY_S`` of running after ``Ready``. After ``MAX_FAILURES``
+  consecutive failures, or at once when a restart cannot load the model (waiting would not fix the file),
+  the model is **unavailable**: requests get 503 ``model_unavailable`` with ``retry-after`` without waiting,
+  ``/readyz`` is 503, and one attempt is made every ``UNAVAILABLE_RETRY_S``; one that reaches ``Ready``
+  serves again.
+
+``stop()`` sends ``Shutdown`` (or SIGTERM to a backend still loading, which has no link to send it on) and
+waits a bounded time for the process to exit (then SIGKILL); a backoff wait ends at once.
+
+Nothing mutable is shared: handlers only read ``supervisor.client`` and ``state`` (set by the supervisor's
+own task) and wait on ``wait_client``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,10 +40,18 @@ from dataclasses import dataclass, field
 
 import trio
 
+from backend.protocol import EXIT_MODEL_LOAD_FAILED
 from gateway.backends.client import BackendClient
+from gateway.backends.process import BackendProcess
 from gateway.backends.request import DEFAULT_REQUEST_BUFFER, BackendUnavailable
 
 log = logging.getLogger("gateway.supervisor")
+
+MAX_FAILURES = 5  # consecutive failed starts / short runs before giving up (first start) or unavailable
+HEALTHY_S = 30.0  # seconds of running after Ready that reset the failure count and the backoff
+BACKOFF_MIN_S = 0.5  # first restart delay, seconds; doubles per consecutive failure
+BACKOFF_MAX_S = 10.0
+UNAVAILABLE_RETRY_S = 30.0  # seconds between attempts while the model is unavailable
 
 
 @dataclass
@@ -44,42 +64,26 @@ class SpawnSpec:
     startup_timeout: float = 600.0  # seconds to wait for the socket + handshake
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGTERM us when the gateway dies (prctl PR_SET_PDEATHSIG)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # noqa: BLE001 - not Linux: best effort
-        pass
+class BackendStartError(Exception):
+    """The first start of a backend failed for good; ``str()`` is one line naming the file and the reason
+    (``cannot load model /m/x.gguf: tensor 'token_embd.weight' missing``) or the last failure."""
 
 
-class _Proc:
-    """A ``subprocess.Popen`` with an async ``wait`` (polls every 50 ms; the socket EOF is the fast signal)."""
+class ModelUnavailable(BackendUnavailable):
+    """503 ``model_unavailable``: the backend failed ``MAX_FAILURES`` restarts in a row, or a restart could
+    not load the model; ``retry-after`` (seconds, >= 1) says when the next attempt is due."""
 
-    def __init__(self, popen: subprocess.Popen) -> None:
-        self.popen = popen
-        self.pid = popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    async def wait(self) -> int:
-        while self.popen.poll() is None:  # noqa: ASYNC110 - a child exit sets no Trio event; polling is the wait
-            await trio.sleep(0.05)
-        return self.popen.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.code = "model_unavailable"
+        self.headers["retry-after"] = str(max(1, math.ceil(retry_after)))
 
 
 class BackendSupervisor:
-    """Supervises one backend (spawned when ``spawn`` is given, else external at ``url``)."""
+    """Supervises one backend (spawned when ``spawn`` is given, else external at ``url``).
+
+    ``state``: ``starting`` (first start) | ``ready`` | ``restarting`` | ``unavailable`` | ``stopped``.
+    """
 
     def __init__(
         self,
@@ -100,33 +104,51 @@ class BackendSupervisor:
         self.url: str = url  # type: ignore[assignment]
         self.request_buffer = request_buffer
         self.client: BackendClient | None = None
-        self.ready_event = trio.Event()
-        self.state = "starting"  # starting | ready | restarting | stopped
+        self.ready_event = trio.Event()  # set while a client is published
+        self.state = "starting"
         self.restarts = 0
+        self.failures = 0  # consecutive failed attempts / short runs
         self.pid: int | None = None
         self.last_error: str | None = None
+        self._retry_at = 0.0  # time.monotonic() of the next attempt
+        self._changed = trio.Event()  # set (and replaced) on every change of client or state
         self._stopping = False
-        self._proc: _Proc | None = None
+        self._proc: BackendProcess | None = None
         self._cancel: trio.CancelScope | None = None
 
     # ------------------------------------------------------------------ handler side
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def unavailable_error(self) -> ModelUnavailable | None:
+        """The 503 to answer while the model is unavailable, else None."""
+        if self.state != "unavailable":
+            return None
+        return ModelUnavailable(
+            f"The model is unavailable: its backend failed to restart ({self.last_error}).",
+            retry_after=self._retry_at - time.monotonic(),
+        )
+
     async def wait_client(self, timeout: float) -> BackendClient:
-        """The live client, waiting up to ``timeout`` seconds for (re)start.
+        """The live client, waiting up to ``timeout`` seconds for a (re)start.
 
         Raises:
+            ModelUnavailable: the model is unavailable (at once, no wait).
             BackendUnavailable: none ready in time, or shutting down.
         """
-        if self.client is not None and self.client.alive:
-            return self.client
-        if self._stopping:
-            raise BackendUnavailable("The gateway is shutting down.")
         with trio.move_on_after(timeout):
             while True:
-                await self.ready_event.wait()
                 c = self.client
                 if c is not None and c.alive:
                     return c
-                await trio.sleep(0.05)
+                if self._stopping:
+                    raise BackendUnavailable("The gateway is shutting down.")
+                err = self.unavailable_error()
+                if err is not None:
+                    raise err
+                with trio.move_on_after(0.5):  # a link dies without a state change: look again soon
+                    await self._changed.wait()
         raise BackendUnavailable("The inference backend is starting or restarting; retry shortly.")
 
     def info(self) -> dict:
@@ -137,60 +159,126 @@ class BackendSupervisor:
             "state": self.state,
             "pid": self.pid,
             "restarts": self.restarts,
+            "failures": self.failures,
             "in_flight": c.in_flight if c else 0,
             "last_error": self.last_error,
         }
 
     # ------------------------------------------------------------------ actor body
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Supervise until ``stop()``; ``task_status.started()`` fires on the first ``Ready``."""
-        backoff = 0.5
+        """Supervise until ``stop()``; ``task_status.started()`` fires on the first ``Ready``.
+
+        Raises:
+            BackendStartError: the first start failed for good (see the module docstring).
+        """
+        backoff = BACKOFF_MIN_S
         started = False
-        with trio.CancelScope() as self._cancel:
-            while not self._stopping:
-                t0 = time.monotonic()
-                try:
-                    async with trio.open_nursery() as nursery:
-                        if self.spawn is not None:
-                            self._proc = await self._start_process()
-                            self.pid = self._proc.pid
-                            nursery.start_soon(self._watch_process, self._proc, nursery.cancel_scope)
-                        client = await self._connect()
-                        self.client = client
-                        self.state = "ready"
-                        self.ready_event.set()
-                        log.info(
-                            "%s ready at %s (pid %s): %s", self.name, self.url, self.pid, client.card.name
+        failure: BackendStartError | None = None
+
+        def on_ready() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                task_status.started()
+
+        async with trio.open_nursery() as relays:  # stderr relays: each lives until its pipe's EOF
+            with trio.CancelScope() as self._cancel:
+                while not self._stopping:
+                    ready_at, rc = await self._attempt(relays, on_ready)
+                    if self._stopping:
+                        break
+                    if ready_at is not None and time.monotonic() - ready_at >= HEALTHY_S:
+                        self.failures, backoff = 0, BACKOFF_MIN_S
+                    self.failures += 1
+                    load_failed = rc == EXIT_MODEL_LOAD_FAILED
+                    if not started and (load_failed or self.failures >= MAX_FAILURES):
+                        failure = BackendStartError(
+                            self.last_error
+                            if load_failed
+                            else f"backend {self.name} failed to start {self.failures} times: {self.last_error}"
                         )
-                        if not started:
-                            started = True
-                            task_status.started()
-                        await client.run()
-                        self.last_error = client.closed_reason
-                        nursery.cancel_scope.cancel()
-                except (OSError, trio.TooSlowError, Exception) as exc:  # noqa: BLE001 - supervisor must survive
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    log.warning("%s failed: %s", self.name, self.last_error)
-                finally:
-                    if self.client is not None:
-                        self.client.close_all()
-                    self.client = None
-                    self.ready_event = trio.Event()
-                    with trio.CancelScope(shield=True):
-                        await self._reap()
-                if self._stopping:
-                    break
-                self.state = "restarting"
-                self.restarts += 1
-                if time.monotonic() - t0 > 30:
-                    backoff = 0.5
-                log.warning("%s: restarting in %.1fs (restart #%d)", self.name, backoff, self.restarts)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                        break
+                    if load_failed or self.failures >= MAX_FAILURES:
+                        if self.state != "unavailable":
+                            log.error(
+                                "%s: model unavailable after %d failure(s) in a row: %s",
+                                self.name,
+                                self.failures,
+                                self.last_error,
+                            )
+                        delay, self.state = UNAVAILABLE_RETRY_S, "unavailable"
+                    else:
+                        delay, self.state = backoff, ("restarting" if started else "starting")
+                        backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    self._retry_at = time.monotonic() + delay
+                    self._notify()
+                    log.warning(
+                        "%s failed: %s; restarting in %.1fs (restart #%d)",
+                        self.name,
+                        self.last_error,
+                        delay,
+                        self.restarts + 1,
+                    )
+                    await trio.sleep(delay)
+                    self.restarts += 1
+            relays.cancel_scope.deadline = trio.current_time() + 1.0  # the last lines, then stop reading
         self.state = "stopped"
+        self._notify()
         self._remove_tmpdir()
+        if failure is not None:
+            raise failure
         if not started:
             task_status.started()
+
+    async def _attempt(self, relays: trio.Nursery, on_ready) -> tuple[float | None, int | None]:
+        """One start: spawn (or connect), serve until the link or the process ends, stop what is left.
+
+        Returns ``(time.monotonic() of Ready or None, exit status of the spawned process or None)``; sets
+        ``last_error``. Never raises but ``Cancelled``."""
+        ready_at: float | None = None
+        proc: BackendProcess | None = None
+        reason: str | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                if self.spawn is not None:
+                    proc = self._proc = self._start_process()
+                    self.pid = proc.pid
+                    relays.start_soon(proc.relay_stderr)
+                    nursery.start_soon(self._watch_process, proc, nursery.cancel_scope)
+                client = await self._connect()
+                ready_at = time.monotonic()
+                self.client = client
+                self.state = "ready"
+                self.ready_event.set()
+                self._notify()
+                log.info("%s ready at %s (pid %s): %s", self.name, self.url, self.pid, client.card.name)
+                on_ready()
+                await client.run()
+                reason = client.closed_reason
+                nursery.cancel_scope.cancel()
+        except Exception as exc:  # noqa: BLE001 - OSError, TooSlowError, ProtocolError...: the supervisor survives
+            while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]  # the nursery's wrapping of the one failure
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self.client is not None:
+                self.client.close_all()
+            self.client = None
+            self.ready_event = trio.Event()
+            self._notify()
+            with trio.CancelScope(shield=True):
+                await self._reap()
+                if proc is not None:
+                    with trio.move_on_after(1.0):  # the load-error line may still be in the pipe
+                        await proc.stderr_closed.wait()
+        if proc is None:
+            self.last_error = reason or "backend connection closed"
+            rc = None
+        else:
+            rc = proc.returncode
+            exit_text = proc.describe_exit()
+            self.last_error = exit_text if proc.load_error or not reason else f"{reason}; {exit_text}"
+        return ready_at, rc
 
     def _remove_tmpdir(self) -> None:
         """Remove the spawned backend's socket folder (ours; the backend removes only its socket)."""
@@ -198,7 +286,7 @@ class BackendSupervisor:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
-    async def _start_process(self) -> _Proc:
+    def _start_process(self) -> BackendProcess:
         spec = self.spawn
         assert spec is not None
         sock = self.url[5:]
@@ -208,20 +296,10 @@ class BackendSupervisor:
             pass
         cmd = [spec.python, "-m", "backend", "--model", spec.model, "--listen", self.url, *spec.extra_args]
         log.info("starting backend: %s", " ".join(cmd))
-        # Own session (a terminal's Ctrl-C reaches only the gateway, which drains then stops the backend),
-        # and a parent-death signal so that a SIGKILLed gateway never leaves an orphan backend (Linux).
-        # Popen runs here, in the Trio thread: PR_SET_PDEATHSIG fires when the *forking thread* exits, so a
-        # worker thread (what trio.lowlevel.open_process uses) would kill the backend when it is recycled.
-        return _Proc(
-            subprocess.Popen(  # noqa: ASYNC220 - must fork in this thread (PR_SET_PDEATHSIG, above)
-                cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
-            )
-        )
+        return BackendProcess.spawn(cmd)
 
-    async def _watch_process(self, proc: _Proc, scope: trio.CancelScope) -> None:
-        rc = await proc.wait()
-        self.last_error = f"backend process exited with code {rc}"
-        log.warning("%s: %s", self.name, self.last_error)
+    async def _watch_process(self, proc: BackendProcess, scope: trio.CancelScope) -> None:
+        await proc.wait()
         scope.cancel()
 
     async def _connect(self) -> BackendClient:
@@ -244,17 +322,16 @@ class BackendSupervisor:
                 delay = min(delay * 1.5, 0.5)
 
     async def _reap(self, grace: float = 10.0) -> None:
+        """Make sure the spawned process is gone: while stopping, give it ``grace`` seconds to act on
+        ``Shutdown``; else (its link ended, or we were cancelled) SIGTERM it at once; SIGKILL after 3 s."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.returncode is None:
-            with trio.move_on_after(grace if self._stopping else 0.5):
+        if self._stopping and proc.returncode is None:
+            with trio.move_on_after(grace):
                 await proc.wait()
         if proc.returncode is None:
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            proc.terminate()
             with trio.move_on_after(3):
                 await proc.wait()
         if proc.returncode is None:
@@ -262,13 +339,17 @@ class BackendSupervisor:
             await proc.wait()
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Send ``Shutdown``, wait up to ``grace`` seconds for the process to exit, then end ``run()``."""
+        """Send ``Shutdown`` (SIGTERM to a backend still loading), wait up to ``grace`` seconds for the
+        process to exit, then end ``run()``."""
         self._stopping = True
         self.state = "stopped"
+        self._notify()
         c = self.client
-        if c is not None:
-            c.shutdown()
         proc = self._proc
+        if c is not None and c.alive:
+            c.shutdown()
+        elif proc is not None:
+            proc.terminate()
         if proc is not None:
             with trio.move_on_after(grace):
                 await proc.wait()
