@@ -3,7 +3,7 @@ gateway on the same Redis and database admits the tenant's full concurrency agai
 follows the 429's ``retry-after-ms`` gets in within that time, the limit stays exact afterwards, and the admin
 call ``DELETE /admin/v1/tenants/{id}/leases`` frees the slots at once.
 
-Two private gateways (each spawns its backend), one redis-server (tests/plugins/redis_server.py), one SQLite
+Two private gateways (``fault_gateway``, each spawns its backend), one redis-server (tests/plugins/redis_server.py), one SQLite
 database. Bound from the issue: admitted again within 10 s of the kill (the leases live LEASE_TTL_S = 6 s
 without renewal).
 """
@@ -14,10 +14,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
-from plugins.gateway_server import GatewayProc, start_gateway
+from plugins.gateway_server import GatewayProc
 from plugins.redis_server import start_redis, stop_redis
 
 pytestmark = pytest.mark.slow
@@ -88,7 +89,7 @@ def assert_concurrency_429(r: httpx.Response) -> None:
     assert 1 <= int(r.headers["retry-after"]) and 0 < int(r.headers["retry-after-ms"]) <= LEASE_TTL_S * 1000
 
 
-def start_two(*args: str) -> tuple[list[GatewayProc], threading.Event]:
+def start_two(start: Callable[..., GatewayProc], *args: str) -> tuple[list[GatewayProc], threading.Event]:
     """Two gateways started side by side. Each is started from a thread that stays alive until the returned
     event is set: the child's PR_SET_PDEATHSIG fires when the thread that forked it exits."""
     started: list[GatewayProc] = []
@@ -96,16 +97,16 @@ def start_two(*args: str) -> tuple[list[GatewayProc], threading.Event]:
     ready = threading.Semaphore(0)
     done = threading.Event()
 
-    def start() -> None:
+    def run() -> None:
         try:
-            started.append(start_gateway(*args))
+            started.append(start(*args))
         except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
             errors.append(e)
         ready.release()
         done.wait()
 
     for _ in range(2):
-        threading.Thread(target=start, daemon=True).start()
+        threading.Thread(target=run, daemon=True).start()
     ready.acquire()
     ready.acquire()
     if errors:
@@ -117,13 +118,13 @@ def start_two(*args: str) -> tuple[list[GatewayProc], threading.Event]:
 
 
 @pytest.mark.timeout(240)
-def test_killed_gateway_frees_its_slots_within_the_lease(tmp_path):
+def test_killed_gateway_frees_its_slots_within_the_lease(tmp_path, fault_gateway):
     redis_proc, redis_url = start_redis(tmp_path)
     db = str(tmp_path / "shared.sqlite")
     started: list[GatewayProc] = []
     done = threading.Event()
     try:
-        started, done = start_two("--redis-url", redis_url, "--db", db)
+        started, done = start_two(fault_gateway, "--redis-url", redis_url, "--db", db)
         g1, g2 = started
         tid, key = new_tenant(g1, max_concurrent=MAX_CONCURRENT)
         with httpx.Client(timeout=30, limits=httpx.Limits(max_connections=20)) as c:

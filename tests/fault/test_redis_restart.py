@@ -1,9 +1,10 @@
-"""Redis, which holds the shared rate limits, restarts between two requests, then stops during traffic and comes
-back on the same port. After a restart the very next requests pass (no pooled connection to the dead server is
+"""Redis, which holds the shared rate limits, stalls for a moment, restarts between two requests, then stops during traffic and comes
+back on the same port. While it stalls a response that needs no admission is not held by its best-effort
+``x-ratelimit-*`` headers. After a restart the very next requests pass (no pooled connection to the dead server is
 used). While it is down every admitted route answers 503 ``rate_limiter_unavailable`` with ``retry-after`` at
 once (never a 500, never a hang), a stream admitted before goes on to its end, the routes that need no
 admission still answer. Once it is back service resumes and the limits are exact again, without restarting the
-gateway; the gateway logs no traceback.
+gateway (requests that reuse one ``x-request-id`` hold a slot each); the gateway logs no traceback.
 
 One private gateway with ``--redis-url`` (tests/plugins/gateway_server.py) and one redis-server
 (tests/plugins/redis_server.py), stopped with SIGTERM and started again on its port.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import httpx
@@ -66,10 +68,11 @@ def stream_body(g: GatewayProc, max_tokens: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-async def test_redis_stopped_and_restarted_during_traffic(tmp_path, make_gateway):
+async def test_redis_stopped_and_restarted_during_traffic(tmp_path, fault_gateway):
     redis_proc, redis_url = start_redis(tmp_path)
+    g: GatewayProc | None = None
     try:
-        g = make_gateway("--redis-url", redis_url)
+        g = fault_gateway("--redis-url", redis_url)
         key = new_tenant(g, rpm=100_000)  # a limit: every admission goes to Redis
         capped = {"authorization": f"Bearer {new_tenant(g, max_concurrent=MAX_CONCURRENT)}"}
         auth = {"authorization": f"Bearer {key}"}
@@ -86,6 +89,16 @@ async def test_redis_stopped_and_restarted_during_traffic(tmp_path, make_gateway
                 for i in range(WARM_CONCURRENCY):
                     nursery.start_soon(post, *requests_of(g)[i % 5])
             assert codes == [200] * WARM_CONCURRENCY, codes
+
+            # Redis stalls (SIGSTOP: it accepts connections, never answers): a response that needs no admission
+            # is not held by its best-effort rate-limit headers
+            redis_proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                r = await c.get("/v1/models", timeout=OUTAGE_ANSWER_S + 5)
+                assert r.status_code == 200 and time.monotonic() - t0 < OUTAGE_ANSWER_S
+            finally:
+                redis_proc.send_signal(signal.SIGCONT)
 
             # a quick restart between two requests: the next ones pass (no dead pooled connection is used)
             stop_redis(redis_proc)
@@ -133,8 +146,9 @@ async def test_redis_stopped_and_restarted_during_traffic(tmp_path, make_gateway
                 r = await c.post(path, json=body)
                 assert r.status_code == 200, (path, r.status_code, r.text[:300])
 
-            # and the concurrency limit is exact again
+            # and the concurrency limit is exact again, also for requests that reuse one x-request-id
             held = []
+            capped["x-request-id"] = "one-id-for-all"
             for _ in range(MAX_CONCURRENT):
                 req = c.build_request(
                     "POST", "/v1/chat/completions", json=stream_body(g, 500), headers=capped
@@ -148,4 +162,6 @@ async def test_redis_stopped_and_restarted_during_traffic(tmp_path, make_gateway
                 await s.aclose()
         assert "Traceback" not in g.log_path.read_text(errors="replace"), g.log_tail(80)
     finally:
+        if g is not None:
+            g.stop()
         stop_redis(redis_proc)
