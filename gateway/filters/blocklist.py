@@ -3,13 +3,20 @@
 Config members (besides ``type``, ``name``, ``stages``, ``roles``)::
 
     "keywords": ["word", "two words"],   # literal, matched as whole words (no letter/digit/_ either side)
-    "patterns": ["b[o0]mb\\\\w*"],         # Python ``re`` syntax, searched anywhere
-    "case_sensitive": false,             # default false (re.IGNORECASE)
+    "patterns": ["b[o0]mb\\\\w*"],         # RE2 syntax (https://github.com/google/re2/wiki/Syntax)
+    "case_sensitive": false,             # default false (Unicode simple case folding)
     "category": "blocklist"              # reported category
 
-Limits (tenant-supplied regexes run on our CPU): at most 256 entries, each at most 256 characters.
-Python's ``re`` has no timeout, so the output side only ever scans a bounded window
-(``2 * window`` + one chunk of characters).
+Tenant-supplied regexes run on our CPU, so they are compiled with RE2, whose matching is linear in the
+text (no backtracking: ``(a+)+$`` costs what ``a+$`` does). RE2 has no backreferences and no
+look-around; a pattern RE2 cannot compile is a ``ValueError`` (the admin API's 400) naming it. Limits: at
+most 256 entries, each at most 256 characters, and the compiled set within RE2's ``max_mem``
+(``base.RE2_MAX_MEM``). Matching goes through ``base.run_matching``: off the event loop for large texts,
+within the request's time budget.
+
+Keywords are whole words as Python's ``re`` sees them (``(?<!\\w)keyword(?!\\w)``, Unicode ``\\w``), without
+look-around: the keyword alternation is matched with one neighbour character on each side that is not
+a word character (``base.py_class("\\\\w")``), on the text padded with a newline at both ends.
 """
 
 from __future__ import annotations
@@ -17,11 +24,32 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked, iter_texts
+import re2
+
+from .base import (
+    Hook,
+    OutputChunk,
+    OutputCut,
+    OutputScanner,
+    PromptBlocked,
+    compile_re2,
+    iter_texts,
+    matchable,
+    py_class,
+    run_matching,
+)
 
 MAX_ENTRIES = 256
 MAX_ENTRY_LEN = 256
+#: Most RE2 program instructions the patterns of one hook may compile to, summed over the patterns
+#: (compile time is about linear in it: ~0.1 s at the limit). 256 patterns of 256 plain characters
+#: fit; ``\pL{200}`` alone takes ~240,000 (a Unicode class repeated 200 times).
+MAX_PROGRAM_SIZE = 1 << 18
 _CAT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: The padding around a text searched for keywords: one non-word character each side.
+_PAD = "\n"
+
+Span = tuple[int, int]
 
 
 def _str_list(params: dict[str, Any], key: str) -> list[str]:
@@ -33,24 +61,110 @@ def _str_list(params: dict[str, Any], key: str) -> list[str]:
     return v
 
 
-def compile_blocklist(
-    keywords: list[str], patterns: list[str], case_sensitive: bool
-) -> re.Pattern[str] | None:
-    """One alternation regex for all entries, or None when both lists are empty.
+class BlocklistMatcher:
+    """The keywords and patterns of one blocklist, compiled with RE2. Built by :func:`compile_blocklist`.
+
+    Args:
+        keywords: literal strings, matched as whole words.
+        patterns: RE2 regexes, each compiled alone first (so that none can change the others when
+            they are joined into one alternation).
+        case_sensitive: False: Unicode simple case folding (RE2 ``(?i)``).
 
     Raises:
-        ValueError: a pattern that does not compile (``re.error`` text included).
+        ValueError: a pattern RE2 cannot compile (``blocklist: pattern '...' is not supported by
+            RE2: <reason>``), or the set does not fit RE2's memory limit.
     """
-    alts = [r"(?<!\w)" + re.escape(k) + r"(?!\w)" for k in keywords]
-    for p in patterns:
+
+    def __init__(self, keywords: list[str], patterns: list[str], case_sensitive: bool) -> None:
+        self.keywords: Any = None
+        self.patterns: Any = None
+        size = 0
+        for p in patterns:
+            try:
+                size += compile_re2(p, case_sensitive=case_sensitive).programsize
+                if "\\Q" in p:
+                    try:
+                        compile_re2(f"(?:{p})")  # joined, it would swallow what follows it
+                    except ValueError:
+                        raise ValueError("it ends inside \\Q...\\E (close it with \\E)") from None
+            except ValueError as e:
+                raise ValueError(
+                    f"blocklist: pattern {p!r} is not supported by RE2 "
+                    f"(https://github.com/google/re2/wiki/Syntax: no backreferences, no look-around): {e}"
+                ) from None
+            if size > MAX_PROGRAM_SIZE:
+                raise ValueError(
+                    f"blocklist: the patterns up to {p!r} compile to {size} RE2 instructions, "
+                    f"more than {MAX_PROGRAM_SIZE} (simplify counted repetitions such as {{200}})"
+                )
         try:
-            re.compile(p)
-        except re.error as e:
-            raise ValueError(f"blocklist: bad regex {p!r}: {e}") from None
-        alts.append("(?:" + p + ")")
-    if not alts:
+            if keywords:
+                nonword = "[^" + py_class(r"\w") + "]"
+                alts = "|".join(re2.escape(k) for k in keywords)
+                fold = "" if case_sensitive else "i"
+                self.keywords = compile_re2(f"{nonword}(?{fold}:{alts}){nonword}")
+            if patterns:
+                alts = "|".join(f"(?:{p})" for p in patterns)
+                self.patterns = compile_re2(alts, case_sensitive=case_sensitive)
+        except ValueError as e:
+            raise ValueError(
+                f"blocklist: the keywords and patterns together are too large for RE2: {e}"
+            ) from None
+
+    def search(self, text: str) -> bool:
+        """Whether any keyword (as a whole word) or pattern matches somewhere in ``text`` (an empty match
+        of a pattern counts). Linear in ``len(text)``."""
+        text = matchable(text)
+        if self.patterns is not None and self.patterns.search(text) is not None:
+            return True
+        return self.keywords is not None and self.keywords.search(_PAD + text + _PAD) is not None
+
+    def keyword_spans(self, text: str):
+        """Yield the ``(start, end)`` character spans of the keyword matches in ``text``, left to right,
+        non-overlapping: those of Python's ``finditer`` over ``(?<!\\w)k1(?!\\w)|(?<!\\w)k2(?!\\w)|...``."""
+        if self.keywords is None:
+            return
+        padded = _PAD + matchable(text) + _PAD
+        pos = 0
+        while (m := self.keywords.search(padded, pos)) is not None:
+            s, e = m.start(), m.end() - 2  # the keyword is m[1:-1]; in text, one character to the left
+            yield s, e
+            pos = e  # the next keyword starts at e or later: its left neighbour is at e - 1 + 1 (padded)
+
+    def first_conclusive(self, chunk: OutputChunk) -> int | None:
+        """Where to cut ``chunk`` (index into ``chunk.pending``), or None. See :class:`_BlocklistScanner`."""
+        text = matchable(chunk.context + chunk.pending)
+        n = len(chunk.context)
+        found: list[Span] = []
+        for s, e in self.keyword_spans(text):
+            if e > n:
+                found.append((s, e))
+                break
+        if self.patterns is not None:
+            for m in self.patterns.finditer(text):
+                if m.end() > n and m.end() > m.start():
+                    found.append((m.start(), m.end()))
+                    break
+        cuts = [
+            s - n
+            for s, e in found
+            if e < len(text) or s - n < chunk.release or chunk.final  # conclusive
+        ]
+        return max(0, min(cuts)) if cuts else None
+
+
+def compile_blocklist(
+    keywords: list[str], patterns: list[str], case_sensitive: bool
+) -> BlocklistMatcher | None:
+    """The RE2 matcher of all entries, or None when both lists are empty.
+
+    Raises:
+        ValueError: a pattern RE2 does not compile (the message names it and gives RE2's reason), or
+            the whole set exceeds RE2's memory limit.
+    """
+    if not keywords and not patterns:
         return None
-    return re.compile("|".join(alts), 0 if case_sensitive else re.IGNORECASE)
+    return BlocklistMatcher(keywords, patterns, case_sensitive)
 
 
 class BlocklistHook(Hook):
@@ -81,38 +195,44 @@ class BlocklistHook(Hook):
     def __init__(self, name, stages, roles, *, keywords, patterns, case_sensitive, category) -> None:
         super().__init__(name, stages, roles)
         self.category = category
-        self.regex = compile_blocklist(keywords, patterns, case_sensitive)
+        self.matcher = compile_blocklist(keywords, patterns, case_sensitive)
 
     async def check_prompt(self, tenant_id, messages):
-        for _role, text in iter_texts(messages, self.roles):
-            if self.regex.search(text):
-                raise PromptBlocked(self.category, "blocklist match")
+        """Raises PromptBlocked on a match; ``base.MatchTimeout`` past the request's matching budget."""
+        texts = [text for _role, text in iter_texts(messages, self.roles)]
+        matcher = self.matcher
+        if matcher is None or not texts:
+            return None
+
+        def any_match(_deadline: float) -> bool:
+            return any(matcher.search(t) for t in texts)
+
+        if await run_matching(any_match, sum(map(len, texts))):
+            raise PromptBlocked(self.category, "blocklist match")
         return None
 
     def output_scanner(self, tenant_id=None):
-        return _BlocklistScanner(self.regex, self.category)
+        return _BlocklistScanner(self.matcher, self.category)
 
 
 class _BlocklistScanner(OutputScanner):
-    """Cuts at the first *conclusive* match that reaches into the pending text.
+    """Cuts at the earliest *conclusive* keyword or pattern match that reaches into the pending text.
 
     A match is conclusive when text follows it (so a trailing ``(?!\\w)`` cannot change), when it
     starts in the part about to be released, or when the stream has ended. A match of at most
-    ``window`` characters is therefore always caught before any of it is sent.
+    ``window`` characters is therefore always caught before any of it is sent. Matches entirely in
+    already-sent text were judged before; empty pattern matches are ignored here.
     """
 
-    def __init__(self, regex: re.Pattern[str], category: str) -> None:
-        self.regex = regex
+    def __init__(self, matcher: BlocklistMatcher | None, category: str) -> None:
+        self.matcher = matcher
         self.category = category
 
     async def scan(self, chunk: OutputChunk) -> OutputChunk | OutputCut:
-        ctx = chunk.context
-        text = ctx + chunk.pending
-        n = len(ctx)
-        for m in self.regex.finditer(text):
-            if m.end() <= n or m.end() == m.start():
-                continue  # entirely in already-sent text (judged before), or an empty match
-            start = m.start() - n
-            if m.end() < len(text) or start < chunk.release or chunk.final:
-                return OutputCut(max(0, start), self.category)
-        return chunk
+        matcher = self.matcher
+        if matcher is None:
+            return chunk
+        at = await run_matching(
+            lambda _deadline: matcher.first_conclusive(chunk), len(chunk.context) + len(chunk.pending)
+        )
+        return chunk if at is None else OutputCut(at, self.category)

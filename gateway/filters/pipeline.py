@@ -12,6 +12,11 @@ Where the gateway calls it (see docs/filters.md):
        safe = await of.feed(delta)        # send `safe` (may be ""), never the raw delta
        if of.cut: abort the backend request; finish_reason = "content_filter"
        ...at the end of generation (finish_reason "stop"/"length"): safe = await of.flush()
+
+Matching time is bounded (``budget``, the ``http.filter_budget`` setting, seconds): the prompt stage of
+one request, and each output step (one ``feed``/``flush``: every output hook over one window), may spend
+at most ``budget`` seconds in the hooks' matching (``gateway.filters.base.run_matching``); beyond it the
+request fails with :func:`filter_timeout` (400, code ``content_filter_timeout``).
 """
 
 from __future__ import annotations
@@ -23,8 +28,18 @@ from typing import Any
 
 import httpx
 
-from ..errors import ContentFiltered
-from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked
+from ..errors import ContentFiltered, InvalidRequest
+from .base import (
+    DEFAULT_BUDGET,
+    Hook,
+    MatchBudget,
+    MatchTimeout,
+    OutputChunk,
+    OutputCut,
+    OutputScanner,
+    PromptBlocked,
+    using_budget,
+)
 from .config import HOOK_TYPES, FilterConfig, parse_config
 
 log = logging.getLogger("gateway.filters")
@@ -37,6 +52,22 @@ def content_filter_result(hook: str, category: str) -> dict[str, Any]:
     its results by category, e.g. ``{"hate": {"filtered": true, "severity": "high"}}``).
     """
     return {category: {"filtered": True, "detected": True, "hook": hook}}
+
+
+def filter_timeout(hook: str, budget: float, *, param: str | None) -> InvalidRequest:
+    """The error of a request whose content-filter matching overran its budget: HTTP 400,
+    ``invalid_request_error``, code ``content_filter_timeout``, naming the hook (never the text).
+
+    A 400 like Azure OpenAI's ``content_filter`` errors (the request, under the tenant's filter
+    config, cannot be checked); the client may retry with a shorter text.
+    """
+    return InvalidRequest(
+        f"The content filter (hook '{hook}') did not finish checking the "
+        f"{'prompt' if param else 'output'} within its {budget:g} s budget. "
+        "Shorten the text, or simplify the tenant's filter patterns.",
+        param=param,
+        code="content_filter_timeout",
+    )
 
 
 class OutputFilter:
@@ -55,9 +86,15 @@ class OutputFilter:
     """
 
     def __init__(
-        self, scanners: list[tuple[str, OutputScanner]], window: int, tenant_id: str | None = None
+        self,
+        scanners: list[tuple[str, OutputScanner]],
+        window: int,
+        tenant_id: str | None = None,
+        *,
+        budget: float = DEFAULT_BUDGET,
     ) -> None:
         self._scanners = scanners
+        self.budget = budget
         self.window = window if scanners else 0
         self.tenant_id = tenant_id
         self.cut = False
@@ -74,8 +111,11 @@ class OutputFilter:
     async def feed(self, text: str) -> str:
         """Add generated ``text``; return the text now safe to send (possibly ``""``).
 
-        Errors: none of its own; a hook's unexpected exception propagates (the caller should treat it
-        as an internal error; nothing unchecked has been returned).
+        Raises:
+            gateway.errors.InvalidRequest: 400 ``content_filter_timeout``, the hooks' matching over
+                this text took more than ``budget`` seconds (nothing unchecked has been returned).
+            A hook's unexpected exception propagates (the caller should treat it as an internal
+            error; nothing unchecked has been returned).
         """
         if self.cut:
             return ""
@@ -114,13 +154,20 @@ class OutputFilter:
     ) -> tuple[OutputChunk, tuple[int, str, str] | None]:
         chunk = OutputChunk(self._context, pending, release, final, self.sent, self.tenant_id)
         for name, sc in self._scanners:
-            res = await sc.scan(chunk)
+            try:
+                res = await sc.scan(chunk)
+            except MatchTimeout:
+                raise filter_timeout(name, self.budget, param=None) from None
             if isinstance(res, OutputCut):
                 return chunk, (max(0, min(res.at, len(chunk.pending))), name, res.category)
             chunk = res
         return chunk, None
 
     async def _run(self, final: bool) -> str:
+        with using_budget(MatchBudget(self.budget)):
+            return await self._run_hooks(final)
+
+    async def _run_hooks(self, final: bool) -> str:
         pending = self._pending
         release = len(pending) if final else max(0, len(pending) - self.window)
         chunk, cut = await self._chain(pending, release, final)
@@ -173,39 +220,52 @@ class FilterPipeline:
         self.filters_output = bool(self._output_hooks)
 
     async def check_prompt(
-        self, tenant_id: str | None, messages: list[dict[str, Any]]
+        self, tenant_id: str | None, messages: list[dict[str, Any]], *, budget: float = DEFAULT_BUDGET
     ) -> list[dict[str, Any]]:
         """Run the prompt-stage hooks in order; return the (maybe rewritten) messages.
 
-        The input list is never mutated. Call it before templating/tokenizing and scheduling.
+        The input list is never mutated. Call it before templating/tokenizing and scheduling. The
+        hooks' matching together may take ``budget`` seconds (texts over ``INLINE_CHARS`` characters
+        are matched in a worker thread, so the event loop keeps serving other requests meanwhile).
 
         Raises:
             gateway.errors.ContentFiltered: 400, code ``content_filter``, param ``messages``,
                 ``innererror.content_filter_result == {category: {"filtered": true, "detected":
                 true, "hook": name}}``. The message never quotes the prompt.
+            gateway.errors.InvalidRequest: 400, code ``content_filter_timeout``, param ``messages``:
+                the matching took more than ``budget`` seconds (:func:`filter_timeout`).
         """
-        for h in self._prompt_hooks:
-            try:
-                new = await h.check_prompt(tenant_id, messages)
-            except PromptBlocked as b:
-                log.info("prompt blocked: tenant=%s hook=%s category=%s", tenant_id, h.name, b.category)
-                raise ContentFiltered(
-                    f"The prompt was blocked by the content filter (hook '{h.name}', category '{b.category}'). "
-                    "Please modify your prompt and retry.",
-                    result=content_filter_result(h.name, b.category),
-                ) from None
-            if new is not None:
-                messages = new
+        with using_budget(MatchBudget(budget)):
+            for h in self._prompt_hooks:
+                messages = await self._check_one(h, tenant_id, messages, budget)
         return messages
 
-    def output_filter(self, tenant_id: str | None = None) -> OutputFilter:
-        """A fresh :class:`OutputFilter` for one output stream (one per choice when n > 1)."""
+    async def _check_one(
+        self, h: Hook, tenant_id: str | None, messages: list[dict[str, Any]], budget: float
+    ) -> list[dict[str, Any]]:
+        try:
+            new = await h.check_prompt(tenant_id, messages)
+        except MatchTimeout:
+            log.info("prompt filter over budget: tenant=%s hook=%s budget=%gs", tenant_id, h.name, budget)
+            raise filter_timeout(h.name, budget, param="messages") from None
+        except PromptBlocked as b:
+            log.info("prompt blocked: tenant=%s hook=%s category=%s", tenant_id, h.name, b.category)
+            raise ContentFiltered(
+                f"The prompt was blocked by the content filter (hook '{h.name}', category '{b.category}'). "
+                "Please modify your prompt and retry.",
+                result=content_filter_result(h.name, b.category),
+            ) from None
+        return messages if new is None else new
+
+    def output_filter(self, tenant_id: str | None = None, *, budget: float = DEFAULT_BUDGET) -> OutputFilter:
+        """A fresh :class:`OutputFilter` for one output stream (one per choice when n > 1); each of its
+        steps may spend ``budget`` seconds matching."""
         scanners = []
         for h in self._output_hooks:
             sc = h.output_scanner(tenant_id)
             if sc is not None:
                 scanners.append((h.name, sc))
-        return OutputFilter(scanners, self.config.output_window, tenant_id)
+        return OutputFilter(scanners, self.config.output_window, tenant_id, budget=budget)
 
 
 def build_pipeline(config: FilterConfig, *, http_client: httpx.AsyncClient | None = None) -> FilterPipeline:

@@ -12,7 +12,7 @@ import pytest
 import trio
 from plugins.filter_stream import feed_in_chunks
 
-from gateway.errors import ContentFiltered
+from gateway.errors import ContentFiltered, InvalidRequest
 from gateway.filters import (
     Hook,
     OutputChunk,
@@ -26,6 +26,8 @@ from gateway.filters import (
     pipeline_for,
     register_hook_type,
 )
+from gateway.filters.base import INLINE_CHARS, run_matching
+from gateway.filters.blocklist import MAX_PROGRAM_SIZE
 
 # ------------------------------------------------------------------ config
 
@@ -284,6 +286,180 @@ async def test_custom_hook_registration():
     assert "".join(out) == "hello world" and of.result == {
         "excited": {"filtered": True, "detected": True, "hook": "shout"}
     }
+
+
+# ------------------------------------------------------------------ RE2 patterns and the matching budget
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        (r"(a)\1", "invalid escape sequence"),  # backreference
+        (r"a(?=b)", "invalid perl operator"),  # lookahead
+        (r"(?<!x)a", "invalid perl operator"),  # lookbehind
+        (r"(?>a)", "invalid perl operator"),  # atomic group
+        (r"a++", "bad repetition operator"),  # possessive
+        (r"ab\Z", "invalid escape sequence"),  # RE2 spells it \z
+        (r"\Qab", r"ends inside \Q...\E"),  # ends inside \Q...\E: would swallow the next patterns
+    ],
+)
+def test_blocklist_pattern_re2_cannot_compile_is_value_error_naming_it(pattern, reason):
+    cfg = {"hooks": [{"type": "blocklist", "keywords": ["ok"], "patterns": ["fine", pattern]}]}
+    with pytest.raises(ValueError) as ei:
+        parse_config(cfg)
+    msg = str(ei.value)
+    assert msg.startswith("filters: hooks[0]: blocklist: pattern ") and repr(pattern) in msg, msg
+    assert "RE2" in msg and reason in msg, msg
+
+
+def test_blocklist_pattern_size_limits():
+    """One pattern over RE2's max_mem, and patterns whose programs add up past MAX_PROGRAM_SIZE."""
+    with pytest.raises(ValueError, match=r"pattern '\\\\pL\{1000\}' is not supported by RE2.*too large"):
+        parse_config({"hooks": [{"type": "blocklist", "patterns": [r"\pL{1000}"]}]})
+    parse_config({"hooks": [{"type": "blocklist", "patterns": [r"\pL{200}"]}]})  # ~240k instructions
+    with pytest.raises(ValueError, match=rf"more than {MAX_PROGRAM_SIZE}"):
+        parse_config({"hooks": [{"type": "blocklist", "patterns": [r"\pL{200}", r"\pN\pL{200}"]}]})
+    # today's limits: 256 entries of 256 characters
+    words = ["".join(random.Random(i).choices("abcdefghij", k=256)) for i in range(256)]
+    parse_config({"hooks": [{"type": "blocklist", "keywords": words[:128], "patterns": words[128:]}]})
+    with pytest.raises(ValueError, match="at most 256"):
+        parse_config({"hooks": [{"type": "blocklist", "keywords": words, "patterns": ["x"]}]})
+    with pytest.raises(ValueError, match="at most 256 characters"):
+        parse_config({"hooks": [{"type": "blocklist", "patterns": ["x" * 257]}]})
+
+
+async def test_blocklist_exponential_pattern_is_linear():
+    """``(a+)+$`` backtracks exponentially in Python ``re`` (2**30 steps on 30 a's); RE2 is linear."""
+    p = pipeline_for({"hooks": [{"type": "blocklist", "patterns": ["(a+)+$"], "stages": ["prompt"]}]})
+    for n in (30, 100_000, 1_000_000):
+        msgs = [{"role": "user", "content": "a" * n + "!"}]
+        t0 = time.monotonic()
+        assert await p.check_prompt("t", msgs) is msgs
+        assert time.monotonic() - t0 < 0.5, n  # Python re: ~50 s for n = 30
+    with pytest.raises(ContentFiltered):
+        await p.check_prompt("t", [{"role": "user", "content": "!" + "a" * 100_000}])
+
+
+async def test_blocklist_keywords_whole_words_as_before():
+    kw = ["cat", "c++", "secret plan", "#tag", "né"]
+    p = pipeline_for({"hooks": [{"type": "blocklist", "keywords": kw}]})
+    blocked = ["cat", "a cat.", "(cat)", "x\ncat\n", "use c++ now", "c++", "SECRET PLAN", "#tag!", "Né, bon"]
+    allowed = [
+        "concat",
+        "cats",
+        "cat_",
+        "_cat",
+        "cat9",
+        "caté",
+        "écat",
+        "c++x",
+        "a#tagb",
+        "Néo",
+        "secret planet",
+    ]
+    for text in blocked:
+        with pytest.raises(ContentFiltered):
+            await p.check_prompt("t", [{"role": "user", "content": text}])
+    for text in allowed:
+        assert await p.check_prompt("t", [{"role": "user", "content": text}]), text
+    cs = pipeline_for({"hooks": [{"type": "blocklist", "keywords": ["Cat"], "case_sensitive": True}]})
+    assert await cs.check_prompt("t", [{"role": "user", "content": "cat CAT"}])
+    with pytest.raises(ContentFiltered):
+        await cs.check_prompt("t", [{"role": "user", "content": "a Cat"}])
+
+
+async def test_filters_read_lone_surrogates():
+    """The stdlib ``json`` (the Ollama routes) lets lone surrogates through; RE2 reads UTF-8."""
+    p = pipeline_for(
+        {"hooks": [{"type": "pii"}, {"type": "blocklist", "keywords": ["cat"], "patterns": ["x+y"]}]}
+    )
+    out = await p.check_prompt("t", [{"role": "user", "content": "\ud800 mail a@b.io \udfff"}])
+    assert out[0]["content"] == "\ud800 mail [EMAIL] \udfff"
+    with pytest.raises(ContentFiltered):
+        await p.check_prompt("t", [{"role": "user", "content": "\ud800cat\udfff"}])  # no word chars
+    of = p.output_filter()
+    pieces, _ = await feed_in_chunks(of, "\ud83d ok \ude00 then cat", [3])
+    assert of.cut and "".join(pieces) == "\ud83d ok \ude00 then "
+
+
+class _Slow(Hook):
+    """A hook whose matching takes ``seconds`` (of ``size`` characters: inline or in a worker thread)."""
+
+    type = "test-slow"
+
+    def __init__(self, name, stages, roles, *, seconds, size) -> None:
+        super().__init__(name, stages, roles)
+        self.seconds, self.size = seconds, size
+
+    @classmethod
+    def validate(cls, params):
+        return {"seconds": float(params.pop("seconds")), "size": int(params.pop("size"))}
+
+    async def check_prompt(self, tenant_id, messages):
+        await run_matching(lambda _deadline: time.sleep(self.seconds), self.size)
+        return None
+
+    def output_scanner(self, tenant_id=None):
+        hook = self
+
+        class S(OutputScanner):
+            async def scan(self, chunk):
+                await run_matching(lambda _deadline: time.sleep(hook.seconds), hook.size)
+                return chunk
+
+        return S()
+
+
+@pytest.mark.parametrize("size", [10, INLINE_CHARS + 1])  # on the loop; in a worker thread
+async def test_matching_over_budget_fails_request_with_400(size):
+    register_hook_type(_Slow)
+    p = build_pipeline(
+        parse_config({"hooks": [{"type": "test-slow", "name": "slow", "seconds": 0.3, "size": size}]})
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    assert await p.check_prompt("t", msgs, budget=2.0) is msgs
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequest) as ei:
+        await p.check_prompt("t", msgs, budget=0.1)
+    elapsed = time.monotonic() - t0
+    err = ei.value.body()["error"]
+    assert ei.value.status == 400 and err["type"] == "invalid_request_error"
+    assert err["code"] == "content_filter_timeout" and err["param"] == "messages"
+    assert "'slow'" in err["message"] and "0.1 s" in err["message"]
+    if size > INLINE_CHARS:
+        assert elapsed < 0.25  # the worker thread is abandoned at the budget, not waited for
+    # the output stage: each step has the budget
+    of = p.output_filter("t", budget=0.1)
+    with pytest.raises(InvalidRequest) as ei:
+        await of.feed("some generated text " * 10)
+    err = ei.value.body()["error"]
+    assert err["code"] == "content_filter_timeout" and err["param"] is None
+    of = p.output_filter("t", budget=2.0)
+    assert await of.feed("ok " * 30) and not of.cut
+
+
+async def test_large_text_matched_off_the_event_loop():
+    """A prompt over INLINE_CHARS is matched in a worker thread: a task on the loop keeps running."""
+    p = pipeline_for(
+        {"hooks": [{"type": "pii"}, {"type": "blocklist", "keywords": ["zz"], "patterns": ["q+r"]}]}
+    )
+    text = "1 " * 40_000  # every other character starts a (Luhn-failing) card candidate
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.005)
+            ticks += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        t0 = time.monotonic()
+        out = await p.check_prompt("t", [{"role": "user", "content": text}], budget=30.0)
+        elapsed = time.monotonic() - t0
+        nursery.cancel_scope.cancel()
+    assert out[0]["content"] == text
+    assert ticks >= elapsed / 0.005 / 4, (ticks, elapsed)  # the loop was not blocked
 
 
 # ------------------------------------------------------------------ webhook (real HTTP server)
