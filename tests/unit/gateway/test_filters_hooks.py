@@ -329,13 +329,14 @@ def test_blocklist_pattern_size_limits():
 
 
 async def test_blocklist_exponential_pattern_is_linear():
-    """``(a+)+$`` backtracks exponentially in Python ``re`` (2**30 steps on 30 a's); RE2 is linear."""
+    """``(a+)+$`` backtracks exponentially in Python ``re`` (2**n steps on n a's: ~1.5 s for 24, ~50 s for
+    30, on the event loop); RE2 is linear. The shortest text comes first, so a backtracking engine fails fast."""
     p = pipeline_for({"hooks": [{"type": "blocklist", "patterns": ["(a+)+$"], "stages": ["prompt"]}]})
-    for n in (30, 100_000, 1_000_000):
+    for n in (24, 30, 100_000, 1_000_000):
         msgs = [{"role": "user", "content": "a" * n + "!"}]
         t0 = time.monotonic()
         assert await p.check_prompt("t", msgs) is msgs
-        assert time.monotonic() - t0 < 0.5, n  # Python re: ~50 s for n = 30
+        assert time.monotonic() - t0 < 0.5, n
     with pytest.raises(ContentFiltered):
         await p.check_prompt("t", [{"role": "user", "content": "!" + "a" * 100_000}])
 
@@ -443,7 +444,7 @@ async def test_large_text_matched_off_the_event_loop():
     p = pipeline_for(
         {"hooks": [{"type": "pii"}, {"type": "blocklist", "keywords": ["zz"], "patterns": ["q+r"]}]}
     )
-    text = "1 " * 40_000  # every other character starts a (Luhn-failing) card candidate
+    text = "1 " * 5_000  # every other character starts a (Luhn-failing) card candidate
     ticks = 0
 
     async def ticker():
@@ -455,7 +456,7 @@ async def test_large_text_matched_off_the_event_loop():
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
         t0 = time.monotonic()
-        out = await p.check_prompt("t", [{"role": "user", "content": text}], budget=30.0)
+        out = await p.check_prompt("t", [{"role": "user", "content": text}])
         elapsed = time.monotonic() - t0
         nursery.cancel_scope.cancel()
     assert out[0]["content"] == text
