@@ -10,6 +10,12 @@ it sends the first SSE event it can still answer with a plain JSON error and a
 byte); afterwards an error is one ``data: {"error": ...}`` event, then
 ``data: [DONE]``, then the response ends (the connection is never left open).
 
+Once the last message of the response is handed to the server (``ResponseWriter.ending``), an
+``http.disconnect`` is no longer the client leaving: the server sends one when the response is complete
+(hypercorn does so while the last body message is being written). The producer is then not cancelled, so
+a request that was answered in full keeps its outcome (200, its finish reason) in the logs, metrics and
+ledger.
+
 SSE framing follows the WHATWG HTML spec, "Server-sent events"
 (https://html.spec.whatwg.org/multipage/server-sent-events.html): ``data:``
 lines, a blank line per event, ``:``-comments as heartbeats. Each event is
@@ -49,11 +55,12 @@ def _hdrs(headers: dict[str, str] | None) -> list[tuple[bytes, bytes]]:
 class ResponseWriter:
     """What a producer uses to answer: ``json`` (once, before any event) or SSE ``start``/``event``/``done``."""
 
-    __slots__ = ("_send", "started", "finished", "status")
+    __slots__ = ("_send", "started", "ending", "finished", "status")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False  # response headers sent
+        self.ending = False  # the last message of the response is being (or was) sent
         self.finished = False
         self.status: int | None = None
 
@@ -61,6 +68,7 @@ class ResponseWriter:
         """Send a complete JSON response (``body`` is bytes or a msgspec-encodable object)."""
         data = body if isinstance(body, (bytes, bytearray)) else _json.encode(body)
         self.started = True
+        self.ending = True
         self.status = status
         hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())] + _hdrs(
             headers
@@ -93,7 +101,7 @@ class ResponseWriter:
         """Send ``data`` as the last bytes of a body its caller frames (NDJSON: no ``[DONE]``)."""
         if self.finished:
             return
-        self.finished = True
+        self.finished = self.ending = True
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def event(self, data: bytes) -> None:
@@ -114,12 +122,13 @@ class ResponseWriter:
         """``data: [DONE]`` and end of the response body."""
         if self.finished:
             return
-        self.finished = True
+        self.finished = self.ending = True
         await self._send({"type": "http.response.body", "body": DONE, "more_body": False})
 
 
 class CallResponse:
-    """ASGI response running ``produce(writer)``; cancelled when the client disconnects.
+    """ASGI response running ``produce(writer)``; cancelled when the client disconnects before the last
+    message of the response was handed to the server (``disconnected`` is then True).
 
     ``produce`` must answer through the writer. An ``APIError`` escaping it is reported by
     ``writer.error``; any other exception becomes a 500 (or an error event mid-stream).
@@ -132,7 +141,7 @@ class CallResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = ResponseWriter(send)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch, receive, nursery.cancel_scope)
+            nursery.start_soon(self._watch, receive, writer, nursery.cancel_scope)
             try:
                 await self.produce(writer)
             except APIError as exc:
@@ -147,10 +156,11 @@ class CallResponse:
             if writer.started:
                 await writer.done()
 
-    async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
+    async def _watch(self, receive: Receive, writer: ResponseWriter, scope: trio.CancelScope) -> None:
         while True:
             msg: Message = await receive()
             if msg["type"] == "http.disconnect":
-                self.disconnected = True
-                scope.cancel()
+                if not writer.ending:  # else: the server's end-of-response notice, not the client leaving
+                    self.disconnected = True
+                    scope.cancel()
                 return

@@ -8,9 +8,16 @@ nursery of ``run()``:
   coalescing whatever is queued into one ``send_all``;
 * the *reader* decodes frames (``backend/protocol.py``) and routes each
   ``RequestOutput`` of a ``StepOutputs`` frame to the request's bounded
-  channel with ``send_nowait``. A full channel means the consumer (an HTTP
-  client) is too slow: that request is failed and aborted, never waited on,
+  channel with ``send_nowait``. A consumer too far behind (more than its
+  token backlog while it waits on its HTTP client, or a full channel) is
+  failed with ``SlowConsumer`` and its request aborted, never waited on,
   so one slow client cannot stall the others.
+
+Every output of a request is counted by its handle, also after the consumer
+left: an aborted request stays in ``_draining`` until the backend's final
+output of each of its choices arrived (their ``Usage`` is the backend's own
+count), the backend failed it, the link ended, or its owner gave up waiting
+(``forget``). That count is what is billed (``RequestHandle.generated_tokens``).
 
 Request handlers use ``open_request()`` (synchronous; it queues the
 ``Submit``) and read with ``await handle.next()``. ``handle.close()`` and
@@ -58,6 +65,7 @@ from backend.protocol import (
 )
 from gateway.backends.address import open_backend_stream
 from gateway.backends.request import (
+    DEFAULT_MAX_BACKLOG,
     DEFAULT_REQUEST_BUFFER,
     BackendUnavailable,
     RequestHandle,
@@ -94,7 +102,8 @@ class BackendClient:
         self.request_buffer = request_buffer
         self._decoder = decoder or from_backend_decoder()
         self._mail_send, self._mail_recv = trio.open_memory_channel[ToBackend](math.inf)
-        self._pending: dict[str, RequestHandle] = {}
+        self._pending: dict[str, RequestHandle] = {}  # consumed requests
+        self._draining: dict[str, RequestHandle] = {}  # aborted, counted until their last output
         self._stats_waiters: dict[int, list] = {}
         self._nonce = itertools.count(1)
         self.alive = True
@@ -147,15 +156,18 @@ class BackendClient:
         """Requests submitted and not finished (the load used to pick a backend)."""
         return len(self._pending)
 
-    def open_request(self, submit: Submit) -> RequestHandle:
-        """Register a request and queue its ``Submit``. Never blocks.
+    def open_request(self, submit: Submit, *, max_backlog: int = DEFAULT_MAX_BACKLOG) -> RequestHandle:
+        """Register a request and queue its ``Submit``. Never blocks. ``max_backlog``: tokens per choice its
+        consumer may leave unread while it waits on its client (``RequestHandle``).
 
         Raises:
             BackendUnavailable: the connection is closed.
         """
         if not self.alive:
             raise BackendUnavailable()
-        handle = RequestHandle(self, submit.request_id, max(1, submit.sampling.n), self.request_buffer)
+        handle = RequestHandle(
+            self, submit.request_id, max(1, submit.sampling.n), self.request_buffer, max_backlog
+        )
         self._pending[submit.request_id] = handle
         try:
             self._mail_send.send_nowait(submit)
@@ -165,10 +177,13 @@ class BackendClient:
         return handle
 
     def abort(self, request_id: str) -> None:
-        """Queue ``Abort(request_id)`` and forget the request. Synchronous, idempotent, never raises."""
+        """Queue ``Abort(request_id)``; the request's outputs are only counted from now on, until it is
+        settled. Synchronous, idempotent, never raises."""
         h = self._pending.pop(request_id, None)
         if h is not None:
             h.fail(BackendUnavailable("request aborted"))
+            if not h.settled.is_set():
+                self._draining[request_id] = h
         if not self.alive:
             return
         try:
@@ -176,6 +191,10 @@ class BackendClient:
             self.aborts_sent += 1
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
+
+    def forget(self, request_id: str) -> None:
+        """Stop counting an aborted request's outputs (its owner stopped waiting). Never raises."""
+        self._draining.pop(request_id, None)
 
     def abort_choice(self, request_id: str, index: int) -> None:
         """Queue ``Abort(request_id, index)``: stop one choice of an n > 1 request. Never raises."""
@@ -238,9 +257,13 @@ class BackendClient:
         self.alive = False
         self._mail_send.close()
         pending, self._pending = self._pending, {}
+        draining, self._draining = self._draining, {}
         err = BackendUnavailable("The inference backend stopped while this request was running.")
         for h in pending.values():
             h.fail(err)
+            h.settle()
+        for h in draining.values():
+            h.settle()
         for slot in self._stats_waiters.values():
             slot[0].set()
 
@@ -283,19 +306,24 @@ class BackendClient:
             for out in msg.outputs:
                 h = pending.get(out.request_id)
                 if h is None:
+                    d = self._draining.get(out.request_id)
+                    if d is not None:  # aborted: counted only
+                        d.deliver(out)
+                        if d.settled.is_set():
+                            del self._draining[out.request_id]
                     continue
                 if h.first_rx is None:
                     h.first_rx = now
                 if not h.deliver(out):
-                    del pending[out.request_id]
                     h.fail(SlowConsumer())
                     self.abort(out.request_id)
                 elif h.done:
                     del pending[out.request_id]
         elif isinstance(msg, RequestError):
-            h = self._pending.pop(msg.request_id, None)
+            h = self._pending.pop(msg.request_id, None) or self._draining.pop(msg.request_id, None)
             if h is not None:
                 h.fail(request_error_to_api(msg))
+                h.settle()
         elif isinstance(msg, Stats):
             slot = self._stats_waiters.get(msg.nonce)
             if slot is not None:

@@ -88,17 +88,23 @@ class Completed(msgspec.Struct, tag="completed", frozen=True, kw_only=True):
 
 
 class Ended(msgspec.Struct, tag="ended", frozen=True, kw_only=True):
-    """The run is over, however it ended. ``status``: 200 (success), 499 (the client went away) or the
-    HTTP status of the ``APIError`` that ended it (``error_type``/``error_code``: that error's).
+    """The run is over, however it ended. ``status``: 200 (success), 499 (the client went away or stopped
+    reading) or the HTTP status of the ``APIError`` that ended it (``error_type``/``error_code``: that error's).
     ``reason``: the request's finish reason: "content_filter" when an output filter cut any choice, else
     the reason of the last choice to finish; "abort" (client gone) or "error" when no choice finished.
+    ``abort_reason``: why a 499 ended: "client_disconnect" (the client went away, or the request was
+    cancelled at shutdown) or "slow_reader" (a stream whose client stopped reading was stopped after its
+    token backlog); None otherwise.
     ``submitted``: the request reached a backend; ``prompt_tokens`` is None before that.
-    ``completion_tokens``: generated tokens of all choices so far (the count billed);
-    ``cached_tokens``: None when no backend usage arrived. ``timings``: as ``Completed.timings`` (ns);
-    ``preemptions``: times the backend preempted the request (max over choices)."""
+    ``completion_tokens``: the count billed: every token the backend generated for the request, all choices
+    (tokens the client never received included; it may exceed ``Completed.completion_tokens``, which is
+    what the client was given); ``cached_tokens``: None when no backend usage arrived. ``timings``: as
+    ``Completed.timings`` (ns); ``preemptions``: times the backend preempted the request (max over
+    choices)."""
 
     status: int
     reason: str
+    abort_reason: str | None = None
     submitted: bool = False
     prompt_tokens: int | None = None
     completion_tokens: int = 0

@@ -11,10 +11,18 @@ arrived for ``heartbeat_s``. Leaving the ``with handle`` block (every choice fin
 gone, error) aborts what the backend still runs. With n > 1 a choice the gateway ends (stop string,
 content filter) is aborted alone so that it frees its KV blocks.
 
-Completion tokens are counted here only (``Choice.completion_tokens``); the request's finish reason
-("abort" when the client went away before any choice finished, "error" after an error) is decided here
-only (``_Run.reason``). Billing (``Reservation.finish``) and the ``Ended`` event both run in
-cancel-shielded cleanup on every exit.
+Completion tokens are counted here only: ``Choice.completion_tokens`` is what the response's usage reports
+(the tokens the client was given), and the count billed is ``RequestHandle.generated_tokens``, every token the
+backend generated for the request, taken where the outputs arrive: tokens a slow or gone reader never got,
+and those sampled after the gateway ended a choice (stop string, content filter) or the request, included.
+After the ``with handle`` block the run waits (cancel-shielded, at most ``SETTLE_TIMEOUT_S``) for the
+backend's final output of every choice, which carries its own count, so the figure is exact. The request's
+finish reason ("abort" when the client went away before any choice finished, "error" after an error) and
+why an aborted request ended (``Ended.abort_reason``: "client_disconnect" or "slow_reader") are decided here
+only (``_Run.reason``, ``_Run._ended_by``). A streaming client that stops reading is stopped after
+``backend.max_backlog_tokens`` unread tokens of a choice (``gateway.backends.request``) and ends as 499
+"abort", never as a server error. Billing (``Reservation.finish``: usage ledger, the TPM true-up and the
+daily quota) and the ``Ended`` event both run in cancel-shielded cleanup on every exit.
 
 Timings (nanoseconds, Ollama names): ``prompt_eval_count``, ``eval_count`` (tokens),
 ``queue_duration``, ``prompt_eval_duration``, ``eval_duration`` and ``backend_ttft_duration`` (from the
@@ -30,10 +38,11 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
+import msgspec
 import trio
 
 from backend.protocol import FEATURE_GRAMMAR, RequestOutput, Submit
-from gateway.backends.request import RequestHandle
+from gateway.backends.request import RequestHandle, SlowConsumer
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import APIError, InternalError, InvalidRequest
 from gateway.generation.choice import Choice
@@ -41,6 +50,7 @@ from gateway.generation.events import (
     ChoiceFinished,
     Completed,
     Ended,
+    Event,
     EventSink,
     Heartbeat,
     Started,
@@ -54,6 +64,7 @@ from ratelimit.reservation import Reservation
 log = logging.getLogger("gateway")
 
 _NS = 1_000_000_000
+SETTLE_TIMEOUT_S = 5.0  # seconds an ended run waits for the backend's final count (one engine step normally)
 
 
 def _ns(seconds: float) -> int:
@@ -156,6 +167,8 @@ class _Run:
                     ended = self._ended_by(exc)
                     raise
                 finally:
+                    if ended is not None:
+                        ended = await self._settle(ended)
                     if res is not None and ended is not None:  # synchronous: nothing can cancel it
                         self._bill(res, ended)
         except BaseException as exc:
@@ -165,6 +178,28 @@ class _Run:
         finally:
             with trio.CancelScope(shield=True):
                 await self.sink.emit(ended or self._ended(500, None))
+
+    async def _settle(self, ended: Ended) -> Ended:
+        """``ended`` with the exact count billed: wait (cancel-shielded, at most ``SETTLE_TIMEOUT_S``) until
+        the backend reported the last of the request's tokens, then take ``RequestHandle.generated_tokens``."""
+        h = self.handle
+        if h is None:
+            return ended
+        with trio.CancelScope(shield=True):
+            if not await h.wait_settled(SETTLE_TIMEOUT_S):
+                log.warning(
+                    "request %s: no final count from the backend; billing the tokens received", h.request_id
+                )
+        return msgspec.structs.replace(ended, completion_tokens=h.generated_tokens)
+
+    async def _emit(self, event: Event) -> None:
+        """Hand ``event`` to the sink; meanwhile the handle knows that its consumer waits on its client (a
+        stream's write blocks while the client does not read), so the backlog rule applies."""
+        if self.handle is None:
+            await self.sink.emit(event)
+            return
+        with self.handle.sending_to_client():
+            await self.sink.emit(event)
 
     async def _next(self, handle: RequestHandle) -> RequestOutput | None | _Nothing:
         """The next output (None: the backend ended the request), or NOTHING after ``heartbeat_s``."""
@@ -196,17 +231,17 @@ class _Run:
             arrival_time=time.time(),
             grammar=req.grammar,
         )
-        with client.open_request(submit) as handle:
+        with client.open_request(submit, max_backlog=self.gw.settings.backend.max_backlog_tokens) as handle:
             self.handle, self.t_submit = handle, handle.submitted_at
             # Hold the status line back briefly so that an early backend error can still be a 4xx/5xx.
             pending: RequestOutput | None | _Nothing = NOTHING
             with trio.move_on_after(self.gw.config.sse_heartbeat):
                 pending = await handle.next()
-            await self.sink.emit(Started(headers=headers, waiting=pending is NOTHING))
+            await self._emit(Started(headers=headers, waiting=pending is NOTHING))
             while self.open > 0:
                 out, pending = (await self._next(handle) if pending is NOTHING else pending), NOTHING
                 if isinstance(out, _Nothing):
-                    await self.sink.emit(Heartbeat())
+                    await self._emit(Heartbeat())
                 elif out is None:
                     raise InternalError(
                         "The inference backend ended the request without finishing it.", code="backend_error"
@@ -236,7 +271,7 @@ class _Run:
             handle.abort_choice(ch.index)  # the gateway ended it; the backend would go on decoding it
         lps = out.logprobs if self.req.sampling.logprobs and out.logprobs else None
         if out.new_token_ids or text or lps or calls:
-            await self.sink.emit(
+            await self._emit(
                 TextDelta(
                     index=ch.index, text=text, tokens=len(out.new_token_ids), logprobs=lps, tool_calls=calls
                 )
@@ -246,7 +281,7 @@ class _Run:
         if fin is not None:
             self.open -= 1
             self.last_reason = fin
-            await self.sink.emit(
+            await self._emit(
                 ChoiceFinished(
                     index=ch.index,
                     reason=fin,
@@ -258,17 +293,25 @@ class _Run:
 
     # ------------------------------------------------------------------ cleanup
     def _ended_by(self, exc: BaseException) -> Ended:
-        """The outcome of a run that ``exc`` ended: 499 when the client went away (trio.Cancelled), the
-        error's status for an ``APIError``, else 500."""
+        """The outcome of a run that ``exc`` ended: 499 when the client went away (trio.Cancelled; abort
+        reason "slow_reader" if the request had been stopped for not being read, else "client_disconnect")
+        or when a stream was stopped for not being read (``SlowConsumer``), the error's status for another
+        ``APIError``, else 500."""
+        if isinstance(exc, SlowConsumer) and self.req.stream:
+            return self._ended(499, exc, abort="slow_reader")
         if isinstance(exc, APIError):
             return self._ended(exc.status, exc)
-        return self._ended(499 if isinstance(exc, trio.Cancelled) else 500, None)
+        if isinstance(exc, trio.Cancelled):
+            slow = self.handle is not None and self.handle.slow
+            return self._ended(499, None, abort="slow_reader" if slow else "client_disconnect")
+        return self._ended(500, None)
 
-    def _ended(self, status: int, error: APIError | None) -> Ended:
+    def _ended(self, status: int, error: APIError | None, abort: str | None = None) -> Ended:
         submitted = self.t_submit is not None
         return Ended(
             status=status,
             reason=self.reason(status),
+            abort_reason=abort,
             submitted=submitted,
             prompt_tokens=len(self.req.prompt_ids) if submitted else None,
             completion_tokens=self.completion_tokens,
@@ -280,9 +323,10 @@ class _Run:
         )
 
     def _bill(self, res: Reservation, ended: Ended) -> None:
-        """Tell the reservation what to bill: completion tokens (all choices), cached tokens, finish reason,
-        status (200 ok, 499 client gone, else the error's), timings in seconds. A request that never reached
-        the backend bills no prompt (prompt_tokens=0)."""
+        """Tell the reservation what to bill: completion tokens (every token the backend generated, all
+        choices: ``Ended.completion_tokens``), cached tokens, finish reason, status (200 ok, 499 client gone
+        or not reading, else the error's), timings in seconds. A request that never reached the backend bills
+        no prompt (prompt_tokens=0)."""
         t = ended.timings
         secs = {"total_s": t["total_duration"] / _NS}
         if "ttft_duration" in t:
@@ -311,6 +355,6 @@ async def run_generation(gw: Gateway, req: GenerationRequest, sink: EventSink) -
         ServiceUnavailable: 503, no backend ready (before ``Started``) or the backend went away.
         APIError: the backend rejected the request (e.g. 400) or failed (500); after ``Started`` the
             renderer reports it in its own framing.
-        trio.Cancelled: the client went away (billed with status 499).
+        trio.Cancelled: the client went away (billed with status 499, every token generated counted).
     """
     await _Run(gw, req, sink).run()

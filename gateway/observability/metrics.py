@@ -165,7 +165,7 @@ class GatewayMetrics:
         )
         self.generation_tokens = Counter(
             P + "generation_tokens",
-            "Generated tokens of finished requests, as reported in usage (tokens).",
+            "Generated tokens of finished requests: every token the backend generated for them, as billed (tokens a client never received included) (tokens).",
             t,
             registry=r,
         )
@@ -183,8 +183,8 @@ class GatewayMetrics:
         )
         self.aborts = Counter(
             P + "request_aborts",
-            "Requests whose response ended before the backend finished them (client disconnect/cancel).",
-            t,
+            "Requests whose response ended before the backend finished them, by reason: client_disconnect (the client went away or the request was cancelled) or slow_reader (a stream whose client stopped reading, stopped after its token backlog).",
+            t + ["reason"],
             registry=r,
         )
         self.http_requests = Counter(
@@ -268,7 +268,7 @@ class GatewayMetrics:
         reason = rec.finish_reason or "error"
         self.request_success.labels(*tl, reason).inc()
         if reason == "abort":
-            self.aborts.labels(*tl).inc()
+            self.aborts.labels(*tl, rec.abort_reason or "client_disconnect").inc()
         if reason == "content_filter":
             self.content_filter_blocks.labels(*self._tt(rec), "output").inc()
         self.e2e.labels(model).observe(rec.e2e_s)

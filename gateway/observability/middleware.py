@@ -6,6 +6,12 @@ under ``SCOPE_KEY``), keeps a valid client ``x-request-id`` (1..128 chars of ``[
 makes one, puts it on the response, notes the status sent, and at the end writes one access-log line and
 hands the record to ``GatewayMetrics.finish_request``. It never reads the response body: what a request
 consumed, how it ended and which error it got come from its run and whoever rendered the error.
+
+Status recorded: the status line sent; 499 (nginx's "client closed request") when the client went away
+before one was sent (an ``http.disconnect`` passed through ``receive`` first, or the run ended as 499),
+also if the app answered the gone client afterwards; 500 only when the app ended without answering a
+client that was still there. ``e2e_s`` ends with the last body message (bookkeeping after it, such as the
+run waiting for the backend's final token count, is not part of the latency).
 """
 
 from __future__ import annotations
@@ -103,23 +109,32 @@ class ObservabilityMiddleware:
             state["request_id"] = rid
         rid_header = (b"x-request-id", rid.encode("ascii"))
 
+        async def receive_wrapper() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and rec.status is None:
+                rec.client_gone = True
+            return message
+
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in (message.get("headers") or []) if k.lower() != b"x-request-id"]
                 message = {**message, "headers": [*headers, rid_header]}
-                rec.status = int(message["status"])
+                rec.status = 499 if rec.client_gone else int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                rec.t_end = time.perf_counter()
             await send(message)
 
         if self.metrics is not None:
             self.metrics.request_started(rec)
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
         finally:
-            rec.t_end = time.perf_counter()
+            if rec.t_end is None:
+                rec.t_end = time.perf_counter()
             if rec.tenant is None:
                 rec.tenant = _principal_tenant(scope)
-            if rec.status is None:
-                rec.status = 500  # nothing was sent: the app failed
+            if rec.status is None:  # nothing was sent: the client left first, or the app failed
+                rec.status = 499 if rec.client_gone else 500
             try:
                 if self.metrics is not None:
                     self.metrics.finish_request(rec)

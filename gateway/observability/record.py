@@ -7,7 +7,8 @@ the generation run's events fill it (nothing reads the response bytes back)::
 
     TextDelta with tokens   on_tokens: TTFT (once), inter-token gaps, output text (``--log-content`` only)
     ChoiceFinished          on_timings: backend phases of that choice (max over choices)
-    Ended                   on_ended: tokens, finish reason ("abort" / "error" decided by the run), errors
+    Ended                   on_ended: tokens (the count billed), finish reason ("abort" / "error" decided by
+                            the run) and why an abort ended ("client_disconnect", "slow_reader"), errors
 
 and whoever renders an ``APIError`` outside a run calls ``set_error`` (the exception handlers, the auth
 middleware). Times are ``time.perf_counter()`` seconds; the log gives seconds (``*_s`` fields, float) and
@@ -63,7 +64,9 @@ class RequestRecord:
         tenant: tenant id (never a key); model: served model name; stream: bool.
         status: HTTP status sent (None until the response starts).
         prompt_tokens, completion_tokens, cached_tokens: tokens (completion summed over choices).
-        finish_reason: of the request, as its run decided it (``Ended.reason``).
+        finish_reason: of the request, as its run decided it (``Ended.reason``); abort_reason: why a request
+            the client left or stopped reading ended ("client_disconnect", "slow_reader"), else None.
+        client_gone: the client went away before a status line was sent (the status recorded is then 499).
         queue_s, prefill_s, decode_s, backend_ttft_s: backend phases (max over choices).
         preemptions: times the backend preempted this request.
         error_type, error_code: of the ``APIError`` rendered, if any.
@@ -93,6 +96,8 @@ class RequestRecord:
         self.completion_tokens: int = 0
         self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
+        self.abort_reason: str | None = None
+        self.client_gone = False
         self.queue_s: float | None = None
         self.prefill_s: float | None = None
         self.decode_s: float | None = None
@@ -153,7 +158,11 @@ class RequestRecord:
                 setattr(self, attr, max(getattr(self, attr) or 0.0, ns / 1e9))
 
     def on_ended(self, ended: Ended) -> None:
-        """The run ended: what it consumed and why it ended, as the run decided it."""
+        """The run ended: what it consumed and why it ended, as the run decided it (a 499 before any status
+        line was sent marks the client gone)."""
+        self.abort_reason = ended.abort_reason
+        if ended.status == 499 and self.status is None:
+            self.client_gone = True
         if ended.submitted:
             self.submitted = True
             self.prompt_tokens = ended.prompt_tokens
@@ -200,6 +209,7 @@ class RequestRecord:
             "completion_tokens": self.completion_tokens if self.submitted else None,
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
+            "abort_reason": self.abort_reason,
             "preemptions": self.preemptions if self.submitted else None,
             "e2e_s": _round(self.e2e_s),
             "ttft_s": _round(self.ttft_s),
