@@ -37,7 +37,8 @@ class Reservation:
 
     Attributes:
         headers: ``x-ratelimit-*`` headers as of admission (put them on the response).
-        dims: the dimensions reserved; member: the reservation's id in the limiter (the request id or random).
+        dims: the dimensions reserved; member: the reservation's id in the limiter, unique (the request id, if
+            any, and a random suffix).
         status, finish_reason: the outcome billed (set by :meth:`finish`, else when settled: 499 ``abort``
             on cancellation, the error's status and ``error`` on an exception).
     """
