@@ -19,13 +19,17 @@ context length (400 ``context_length_exceeded`` for a prompt that fills it, 400 
 max_tokens for a limit that does not fit after the prompt) -> the ``CallResponse``
 producer: admission (429), backend pick (503), generation.
 
-Errors are rendered from ``gateway.errors`` (``APIError.body()``, status, headers);
-unknown routes are 404 and wrong methods 405, in the same shape.
+Errors are rendered from ``gateway.errors`` (``APIError.body()``, status, headers; Ollama's shape under
+``/api/``), every client error with a code (docs/errors.md): unknown routes are 404 ``unknown_route``; a
+method a route does not have (``TRACE``, ``FOO``, ``DELETE`` on a POST route) is 405 ``method_not_allowed``
+with ``Allow`` listing the methods of every route on that path, ``OPTIONS`` included (RFC 9110 section
+15.5.6); ``OPTIONS`` itself is answered by the CORS middleware with the same ``Allow``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
@@ -34,13 +38,14 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Match, Mount, Route
 
 from gateway.admin.routes import admin_routes, usage_routes
-from gateway.errors import APIError, InternalError, NotFound
+from gateway.errors import APIError, InternalError, MethodNotAllowed, NotFound
 from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
 from gateway.middleware.auth import AuthMiddleware
-from gateway.middleware.cors import CORSMiddleware
+from gateway.middleware.body import BodyGuard
+from gateway.middleware.cors import CORSMiddleware, allow_header
 from gateway.middleware.drain import DrainGate
 from gateway.observability.middleware import ObservabilityMiddleware
 from gateway.observability.record import get_record
@@ -64,15 +69,45 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(exc.body_for(request.url.path), status_code=exc.status, headers=exc.headers or None)
 
 
+def route_methods(routes: Sequence[BaseRoute], path: str) -> frozenset[str] | None:
+    """The methods the routes on ``path`` serve, together (``HEAD`` with ``GET``; a mounted app without routes,
+    the static files, serves ``GET`` and ``HEAD``), or None when no route has that path."""
+    scope: Scope = {"type": "http", "path": path, "root_path": "", "method": "GET"}
+    return _methods(routes, scope)
+
+
+def _methods(routes: Sequence[BaseRoute], scope: Scope) -> frozenset[str] | None:
+    found: set[str] | None = None
+    for route in routes:
+        match, child = route.matches(scope)
+        if match == Match.NONE:
+            continue
+        if isinstance(route, Mount):
+            inner = _methods(route.routes, {**scope, **child}) if route.routes else frozenset({"GET", "HEAD"})
+        elif isinstance(route, Route):
+            inner = frozenset(route.methods or ())
+        else:
+            inner = None
+        if inner is not None:
+            found = (found or set()) | inner
+    return None if found is None else frozenset(found)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    path = request.url.path
     if exc.status_code == 404:
-        err: APIError = NotFound(f"Unknown route: {request.method} {request.url.path}", code="unknown_route")
+        err: APIError = NotFound(f"Unknown route: {request.method} {path}", code="unknown_route")
+    elif exc.status_code == 405:
+        methods = route_methods(request.app.routes, request.scope["path"]) or frozenset()
+        err = MethodNotAllowed(
+            f"Method {request.method} is not allowed on {path}.", headers={"allow": allow_header(methods)}
+        )
     else:
         err = APIError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
     get_record(request).set_error(err.type, err.code)
-    body = err.body_for(request.url.path)
-    return JSONResponse(body, status_code=err.status, headers=dict(exc.headers or {}) or None)
+    headers = err.headers if err.status == 405 else dict(exc.headers or {})
+    return JSONResponse(err.body_for(path), status_code=err.status, headers=headers or None)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -120,10 +155,13 @@ def _closing_safe(send: Send) -> Send:
 def build_app(gw: Gateway) -> GatewayApp:
     """Every route and the middleware order of the gateway, declared here and nowhere else.
 
-    Middleware, outermost first: CORS (a preflight is answered before auth; error responses get CORS headers
-    too, so a browser can read a 401 or 429 body) -> drain gate (503 while draining, counts requests in
-    flight) -> observability (request id, access log, request metrics: it sees 500s too) -> Starlette's error
-    middleware -> auth (every non-public path, once) -> the exception handlers -> the routes.
+    Middleware, outermost first: CORS (a preflight and ``OPTIONS`` are answered before auth, ``Allow`` from
+    the route table; error responses get CORS headers too, so a browser can read a 401 or 429 body) -> body
+    guard (``http.body_timeout``: 408 for a body that does not arrive in time; the unread rest of a body
+    drained before its response ends, until the server stops) -> drain gate (503 while draining, counts
+    requests in flight) -> observability (request id, access log, request metrics: it sees 500s too) ->
+    Starlette's error middleware -> auth (every non-public path, once) -> the exception handlers -> the
+    routes.
     """
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -152,4 +190,10 @@ def build_app(gw: Gateway) -> GatewayApp:
     app.router.redirect_slashes = False  # a 307 built from the Host header would be an open redirect
     observed = ObservabilityMiddleware(app, gw.metrics, log_content=gw.settings.observability.log_content)
     drain = DrainGate(observed, gw.pool)
-    return GatewayApp(CORSMiddleware(drain, origins=gw.config.cors_origins), drain, app)
+    guarded = BodyGuard(drain, timeout=gw.config.body_timeout, stopping=drain.stopping)
+
+    def methods_for(path: str) -> frozenset[str] | None:
+        return route_methods(app.routes, path)
+
+    cors = CORSMiddleware(guarded, origins=gw.config.cors_origins, methods_for=methods_for)
+    return GatewayApp(cors, drain, app)

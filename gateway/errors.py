@@ -4,6 +4,12 @@ Every error a client sees has OpenAI's shape::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
 
+``code`` of a client error (4xx) is never null: one raised without a code takes its class's ``default_code``
+(``invalid_request`` for a 400, ``not_found``, ``method_not_allowed``, ``request_timeout``,
+``request_too_large``...; a bare ``APIError`` the one of its status in :data:`STATUS_CODES`), so a client can
+always branch on it. A server error (5xx) carries the code it was raised with. The codes are listed in
+docs/errors.md.
+
 Source followed: https://platform.openai.com/docs/guides/error-codes and the
 ``openai`` Python client's ``APIStatusError`` mapping (400 BadRequest, 401
 Authentication, 403 PermissionDenied, 404 NotFound, 413, 429 RateLimit, 5xx).
@@ -12,6 +18,20 @@ Authentication, 403 PermissionDenied, 404 NotFound, 413, 429 RateLimit, 5xx).
 from __future__ import annotations
 
 from typing import Any
+
+#: The code of a client error raised with none, by HTTP status (after RFC 9110 section 15's names).
+STATUS_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+}
 
 
 class APIError(Exception):
@@ -22,13 +42,15 @@ class APIError(Exception):
         message: human-readable text (never contains a key or prompt text).
         type: OpenAI error type, e.g. ``invalid_request_error``.
         param: the offending request parameter, or None.
-        code: machine-readable code, e.g. ``context_length_exceeded``.
+        code: machine-readable code, e.g. ``context_length_exceeded``; for a 4xx never None (``default_code``,
+            else the status's in :data:`STATUS_CODES`, else ``invalid_request``).
         headers: extra response headers (``retry-after``, ``x-ratelimit-*``...).
         extra: extra members merged into the error object (e.g. ``innererror``).
     """
 
     status = 500
     type = "server_error"
+    default_code: str | None = None
 
     def __init__(
         self,
@@ -44,11 +66,11 @@ class APIError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
         if status is not None:
             self.status = status
         if type is not None:
             self.type = type
+        self.code = code or self.default_code or _status_code(self.status)
         self.headers = dict(headers or {})
         self.extra = dict(extra or {})
 
@@ -73,11 +95,19 @@ class APIError(Exception):
         return self.ollama_body() if path.startswith("/api/") else self.body()
 
 
+def _status_code(status: int) -> str | None:
+    """The code of a client error (``status`` 4xx) raised without one; None for a server error."""
+    if 400 <= status < 500:
+        return STATUS_CODES.get(status, "invalid_request")
+    return None
+
+
 class InvalidRequest(APIError):
     """400: malformed JSON, wrong types, out-of-range values (``param`` names the field)."""
 
     status = 400
     type = "invalid_request_error"
+    default_code = "invalid_request"
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -116,6 +146,7 @@ class PermissionDenied(APIError):
 
     status = 403
     type = "invalid_request_error"
+    default_code = "permission_denied"
 
 
 class NotFound(APIError):
@@ -123,6 +154,25 @@ class NotFound(APIError):
 
     status = 404
     type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowed(APIError):
+    """405 ``method_not_allowed``: a route asked with a method it does not have; ``headers`` carry ``Allow``
+    (RFC 9110 section 15.5.6)."""
+
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class RequestTimeout(APIError):
+    """408 ``request_timeout``: the request body did not arrive in time (``http.body_timeout``); the
+    connection is closed after the answer (RFC 9110 section 15.5.9)."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
 
 
 class PayloadTooLarge(APIError):
@@ -130,6 +180,7 @@ class PayloadTooLarge(APIError):
 
     status = 413
     type = "invalid_request_error"
+    default_code = "request_too_large"
 
 
 class RateLimited(APIError):
@@ -137,6 +188,7 @@ class RateLimited(APIError):
 
     status = 429
     type = "requests"
+    default_code = "rate_limit_exceeded"
 
 
 class ServiceUnavailable(APIError):

@@ -35,8 +35,9 @@ def normalize_stop(
     up to 4 stop strings; this gateway allows ``max_count`` (default 16).
 
     Raises:
-        InvalidRequest(param=param): not a string/array/null, a non-string item (``stop[i]``), more than
-            ``max_count`` items, or an item longer than ``max_length`` characters.
+        InvalidRequest(param=param): ``invalid_type`` for a value that is not a string/array/null or a
+            non-string item (``stop[i]``); ``invalid_value`` for more than ``max_count`` items or an item
+            longer than ``max_length`` characters.
     """
     if value is None:
         return []
@@ -46,16 +47,24 @@ def normalize_stop(
         items = list(value)
         for i, s in enumerate(items):
             if not isinstance(s, str):
-                raise InvalidRequest(f"'{param}[{i}]' must be a string.", param=f"{param}[{i}]")
+                raise InvalidRequest(
+                    f"'{param}[{i}]' must be a string.", param=f"{param}[{i}]", code="invalid_type"
+                )
     else:
-        raise InvalidRequest(f"'{param}' must be a string, an array of strings, or null.", param=param)
+        raise InvalidRequest(
+            f"'{param}' must be a string, an array of strings, or null.", param=param, code="invalid_type"
+        )
     if len(items) > max_count:
-        raise InvalidRequest(f"'{param}' may hold at most {max_count} strings.", param=param)
+        raise InvalidRequest(
+            f"'{param}' may hold at most {max_count} strings.", param=param, code="invalid_value"
+        )
     out: list[str] = []
     for s in items:
         if len(s) > max_length:
             raise InvalidRequest(
-                f"each '{param}' string may be at most {max_length} characters.", param=param
+                f"each '{param}' string may be at most {max_length} characters.",
+                param=param,
+                code="invalid_value",
             )
         if s and s not in out:
             out.append(s)

@@ -5,7 +5,10 @@ Source: WHATWG Fetch, "CORS protocol" (https://fetch.spec.whatwg.org/#http-cors-
 - A CORS preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) is answered
   here with **204** and the ``Access-Control-Allow-*`` headers, **without calling the app**, so no
   auth runs on it (a preflight never carries credentials; answering it with 401 breaks every
-  browser client). Any other ``OPTIONS`` is also answered 204 (with ``Allow``).
+  browser client). Any other ``OPTIONS`` is answered here too: 204 with ``Allow`` (RFC 9110 section
+  9.3.7). With ``methods_for`` (the gateway's route table) both list only the methods of the route on
+  that path, plus ``OPTIONS``, and a plain ``OPTIONS`` on a path no route has is 404 ``unknown_route``;
+  without it, every method the gateway serves.
 - Every other response - 200s, SSE streams, **401/403/429/500 errors included** - gets
   ``Access-Control-Allow-Origin`` and ``Access-Control-Expose-Headers`` when the request's origin is
   allowed, so a browser page can read error bodies and the rate-limit headers.
@@ -20,9 +23,10 @@ Usage (outermost, so it also wraps auth and error handlers)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
+from gateway.errors import NotFound
+from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
 
 #: Response headers a page may read (Fetch "CORS-safelisted response headers" are not enough:
 #: the OpenAI rate-limit headers, retry-after(-ms) and the request id must be listed).
@@ -40,6 +44,7 @@ EXPOSE_HEADERS = (
     "openai-model",
 )
 ALLOW_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 #: Request headers allowed when the preflight does not list any (it echoes what it asks for).
 DEFAULT_ALLOW_HEADERS = (
     "authorization",
@@ -48,6 +53,12 @@ DEFAULT_ALLOW_HEADERS = (
     "openai-organization",
     "openai-project",
 )
+
+
+def allow_header(methods: Iterable[str]) -> str:
+    """The ``Allow`` value for a route serving ``methods``: those and ``OPTIONS``, in a stable order."""
+    given = {m.upper() for m in methods} | {"OPTIONS"}
+    return ", ".join([m for m in _ORDER if m in given] + sorted(given - set(_ORDER)))
 
 
 class CORSMiddleware:
@@ -59,6 +70,8 @@ class CORSMiddleware:
             an empty list, or one holding ``"*"``, allows any (settings: ``http.cors_origins``).
         max_age: seconds a browser may cache a preflight answer (``Access-Control-Max-Age``).
         expose_headers: response headers scripts may read.
+        methods_for: the methods the routes on a path serve (None: no route has it); without it every
+            ``OPTIONS`` lists :data:`ALLOW_METHODS`.
     """
 
     def __init__(
@@ -68,8 +81,10 @@ class CORSMiddleware:
         origins: str | Iterable[str] = "*",
         max_age: int = 600,
         expose_headers: Iterable[str] = EXPOSE_HEADERS,
+        methods_for: Callable[[str], frozenset[str] | None] | None = None,
     ) -> None:
         self.app = app
+        self.methods_for = methods_for
         listed = [o.rstrip("/") for o in ([origins] if isinstance(origins, str) else origins)]
         self.any_origin = not listed or "*" in listed
         self.origins = frozenset() if self.any_origin else frozenset(listed)
@@ -103,7 +118,7 @@ class CORSMiddleware:
         origin = origin_b.decode("latin-1") if origin_b is not None else None
 
         if scope["method"] == "OPTIONS":
-            await self._preflight(origin, headers, send)
+            await self._options(scope, origin, headers, send)
             return
 
         extra = self._cors_headers(origin)
@@ -117,16 +132,34 @@ class CORSMiddleware:
 
         await self.app(scope, receive, send_with_cors)
 
-    async def _preflight(self, origin: str | None, headers: dict[bytes, bytes], send: Send) -> None:
+    async def _options(
+        self, scope: Scope, origin: str | None, headers: dict[bytes, bytes], send: Send
+    ) -> None:
+        """A preflight or a plain ``OPTIONS``: 204 with ``Allow`` (404 for a plain one on an unknown path)."""
+        path: str = scope.get("path", "/")
+        methods = self.methods_for(path) if self.methods_for is not None else None
+        preflight = origin is not None and b"access-control-request-method" in headers
+        if methods is None and self.methods_for is not None and not preflight:
+            out = self._cors_headers(origin)
+            err = NotFound(f"Unknown route: OPTIONS {path}", code="unknown_route")
+
+            async def with_cors(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message["headers"], *out]}
+                await send(message)
+
+            await send_error(with_cors, err, path)
+            return
+        allow = allow_header(methods).encode() if methods is not None else ", ".join(ALLOW_METHODS).encode()
         out = self._cors_headers(origin)
-        if self._allow_origin(origin) is not None:
+        if preflight and self._allow_origin(origin) is not None:
             req_headers = headers.get(b"access-control-request-headers")
             allow_headers = req_headers if req_headers else ", ".join(DEFAULT_ALLOW_HEADERS).encode()
             out += [
-                (b"access-control-allow-methods", ", ".join(ALLOW_METHODS).encode()),
+                (b"access-control-allow-methods", allow),
                 (b"access-control-allow-headers", allow_headers),
                 (b"access-control-max-age", str(self.max_age).encode()),
             ]
-        out += [(b"allow", ", ".join(ALLOW_METHODS).encode()), (b"content-length", b"0")]
+        out += [(b"allow", allow), (b"content-length", b"0")]
         await send({"type": "http.response.start", "status": 204, "headers": out})
         await send({"type": "http.response.body", "body": b""})

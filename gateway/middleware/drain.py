@@ -4,7 +4,9 @@ It counts HTTP requests in flight. Once the pool is draining it answers every ne
 probes and monitoring paths, with 503 ``server_shutting_down`` in OpenAI's error shape, ``Retry-After`` and
 ``Connection: close``, without reading the body (a load balancer or client retries elsewhere or later).
 ``/health`` and ``/healthz`` still answer 200, ``/readyz`` 503, and ``/metrics`` and ``/admin/v1/stats``
-(which shows ``draining``) keep working. ``idle()`` returns once nothing admitted is in flight.
+(which shows ``draining``) keep working. ``idle()`` returns once nothing admitted is in flight; the server
+awaits it when it begins to stop, so it first sets ``stopping``: the body guard
+(``gateway.middleware.body``) then stops draining refused bodies, and a request held by one ends at once.
 """
 
 from __future__ import annotations
@@ -24,20 +26,23 @@ class Drainable(Protocol):
 
 
 class DrainGate:
-    """Pure ASGI middleware (see module docstring). ``app``: the wrapped app; ``pool``: its drain flag."""
+    """Pure ASGI middleware (see module docstring). ``app``: the wrapped app; ``pool``: its drain flag;
+    ``stopping``: the event set when the server begins to stop (a new one without it)."""
 
     RETRY_AFTER_S = 5
     PROBES = ("/health", "/healthz", "/readyz", "/metrics", "/admin/v1/stats")
 
-    def __init__(self, app: ASGIApp, pool: Drainable) -> None:
+    def __init__(self, app: ASGIApp, pool: Drainable, *, stopping: trio.Event | None = None) -> None:
         self.app = app
         self.pool = pool
+        self.stopping = stopping if stopping is not None else trio.Event()
         self.in_flight = 0
         self._idle = trio.Event()
         self._idle.set()
 
     async def idle(self) -> None:
-        """Return once no admitted request is in flight (at once when none is)."""
+        """Set ``stopping``, then return once no admitted request is in flight (at once when none is)."""
+        self.stopping.set()
         while self.in_flight:
             await self._idle.wait()
 

@@ -138,7 +138,9 @@ class OllamaAPI:
             body = decode_json(await read_body(request, self.gw.config.max_body_bytes))
             name = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
             if not isinstance(name, str) or not name:
-                raise InvalidRequest("model is required (a non-empty string)", param="model")
+                raise InvalidRequest(
+                    "model is required (a non-empty string)", param="model", code="missing_required_parameter"
+                )
         except APIError as exc:
             get_record(request).set_error(exc.type, exc.code)
             return error_response(exc)

@@ -85,11 +85,15 @@ class History:
     def _call(self, call: object, p: str) -> dict[str, Any]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict):
-            raise InvalidRequest(f"'{p}' must be an object with a 'function' object.", param=p)
+            raise InvalidRequest(
+                f"'{p}' must be an object with a 'function' object.", param=p, code="invalid_type"
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidRequest(
-                f"'{p}.function.name' must be a non-empty string.", param=f"{p}.function.name"
+                f"'{p}.function.name' must be a non-empty string.",
+                param=f"{p}.function.name",
+                code="invalid_value",
             )
         args = fn.get("arguments")
         if args is None:
@@ -105,7 +109,9 @@ class History:
                 ) from None
         elif not isinstance(args, str):
             raise InvalidRequest(
-                f"'{p}.function.arguments' must be an object.", param=f"{p}.function.arguments"
+                f"'{p}.function.arguments' must be an object.",
+                param=f"{p}.function.arguments",
+                code="invalid_type",
             )
         cid = call.get("id")  # type: ignore[union-attr]
         if not isinstance(cid, str) or not cid:
@@ -124,7 +130,9 @@ class History:
                 return out
             if not isinstance(calls, list):
                 raise InvalidRequest(
-                    f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls"
+                    f"messages[{i}].tool_calls must be a list",
+                    param=f"messages[{i}].tool_calls",
+                    code="invalid_type",
                 )
             out["tool_calls"] = [self._call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
             self.open = [(c["id"], c["function"]["name"]) for c in out["tool_calls"]]
@@ -132,7 +140,9 @@ class History:
             name = m.get("tool_name")
             if name is not None and not isinstance(name, str):
                 raise InvalidRequest(
-                    f"messages[{i}].tool_name must be a string", param=f"messages[{i}].tool_name"
+                    f"messages[{i}].tool_name must be a string",
+                    param=f"messages[{i}].tool_name",
+                    code="invalid_type",
                 )
             if name:
                 out["name"] = name

@@ -75,11 +75,11 @@ def _number(options: dict[str, Any], key: str, integer: bool) -> float | int | N
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidRequest(f"options.{key} must be a number", param=f"options.{key}")
+        raise InvalidRequest(f"options.{key} must be a number", param=f"options.{key}", code="invalid_type")
     if not integer:
         return float(v)
     if not float(v).is_integer():
-        raise InvalidRequest(f"options.{key} must be an integer", param=f"options.{key}")
+        raise InvalidRequest(f"options.{key} must be an integer", param=f"options.{key}", code="invalid_type")
     return int(v)
 
 
@@ -93,14 +93,16 @@ def parse_options(options: object) -> Options:
     if options is None:
         return Options()
     if not isinstance(options, dict):
-        raise InvalidRequest("options must be an object", param="options")
+        raise InvalidRequest("options must be an object", param="options", code="invalid_type")
     fields: dict[str, Any] = {k: _number(options, k, False) for k in _FLOAT_OPTIONS}
     fields.update({k: _number(options, k, True) for k in _INT_OPTIONS})
     stop = options.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise InvalidRequest("options.stop must be a list of strings", param="options.stop")
+        raise InvalidRequest(
+            "options.stop must be a list of strings", param="options.stop", code="invalid_type"
+        )
     fields["stop"] = stop or None
     return Options(**fields)
 
@@ -109,20 +111,24 @@ def model_name(body: dict[str, Any]) -> str:
     """The ``model`` member. Raises ``InvalidRequest`` (param model) when missing or not a string."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest("model is required", param="model")
+        raise InvalidRequest("model is required", param="model", code="missing_required_parameter")
     return model
 
 
 def _object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object", code="invalid_type")
     return body
 
 
 def _refuse_unsupported(body: dict[str, Any], kind: Kind) -> None:
     for key in _UNSUPPORTED[kind]:
         if body.get(key) not in (None, "", [], {}, False):
-            raise InvalidRequest(f"'{key}' is not supported by this gateway's Ollama API", param=key)
+            raise InvalidRequest(
+                f"'{key}' is not supported by this gateway's Ollama API",
+                param=key,
+                code="unsupported_parameter",
+            )
 
 
 def load_only(body: dict[str, Any], kind: Kind) -> bool:
@@ -141,17 +147,23 @@ def unloads(body: dict[str, Any]) -> bool:
 def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages") or []
     if not isinstance(msgs, list):
-        raise InvalidRequest("messages must be a list", param="messages")
+        raise InvalidRequest("messages must be a list", param="messages", code="invalid_type")
     out: list[dict[str, Any]] = []
     history = History()
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequest(f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
+            raise InvalidRequest(
+                f"messages[{i}] must be an object with a role", param=f"messages[{i}]", code="invalid_value"
+            )
         if m.get("images"):
-            raise InvalidRequest("images are not supported", param=f"messages[{i}].images")
+            raise InvalidRequest(
+                "images are not supported", param=f"messages[{i}].images", code="unsupported_parameter"
+            )
         content = m.get("content") or ""
         if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+            raise InvalidRequest(
+                f"messages[{i}].content must be a string", param=f"messages[{i}].content", code="invalid_type"
+            )
         out.append(history.message(i, m, content))
     return out
 
@@ -160,11 +172,11 @@ def _generate_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     prompt = body.get("prompt") or ""
     system = body.get("system")
     if not isinstance(prompt, str):
-        raise InvalidRequest("prompt must be a string", param="prompt")
+        raise InvalidRequest("prompt must be a string", param="prompt", code="invalid_type")
     msgs: list[dict[str, Any]] = []
     if system:
         if not isinstance(system, str):
-            raise InvalidRequest("system must be a string", param="system")
+            raise InvalidRequest("system must be a string", param="system", code="invalid_type")
         msgs.append({"role": "system", "content": system})
     msgs.append({"role": "user", "content": prompt})
     return msgs
@@ -188,7 +200,7 @@ def to_chat_request(body: object, kind: Kind) -> ChatRequest:
     messages = _chat_messages(body) if kind == "chat" else _generate_messages(body)
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
-        raise InvalidRequest("stream must be a boolean", param="stream")
+        raise InvalidRequest("stream must be a boolean", param="stream", code="invalid_type")
     model = model_name(body)
     o = parse_options(body.get("options"))
     tools = body.get("tools") if kind == "chat" else None

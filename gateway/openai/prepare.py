@@ -196,7 +196,7 @@ async def prepare_chat(
             prompt_chars(messages),
         )
     except TemplateError as exc:  # the conversation is the client's fault: 400 with the same members
-        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
+        raise InvalidRequest(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
     ids = rendered.ids
     max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length, max_param=max_param)
     gen = _generation(
