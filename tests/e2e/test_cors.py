@@ -1,4 +1,5 @@
-"""CORS middleware: preflight 204 without auth, CORS headers on 200/401/429/500, origin lists.
+"""CORS middleware: preflight 204 without auth, CORS headers on 200/401/429/500, origin lists, and with the
+gateway's route table an ``Allow`` of the route's methods only.
 
 The wrapped app is a small real Starlette app whose middleware requires a bearer key (401 otherwise)
 and whose routes raise the gateway's own errors; the middleware sits outside it, as in the gateway.
@@ -142,3 +143,29 @@ def test_origins_from_env():
     env = {"GATEWAY_CORS_ORIGINS": "http://a.example, http://b.example/"}
     listed = CORSMiddleware(_inner_app(), origins=load_settings(["serve"], env)[0].http.cors_origins)
     assert not listed.any_origin and listed.origins == {"http://a.example", "http://b.example"}
+
+
+def _routed_client():
+    """The CORS middleware with a route table (as the gateway builds it): /v1/ok serves GET and POST."""
+    table = {"/v1/ok": frozenset({"GET", "HEAD", "POST"}), "/v1/limited": frozenset({"GET", "HEAD"})}
+    app = CORSMiddleware(_inner_app(), methods_for=table.get)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://gw"
+    )
+
+
+async def test_options_lists_only_the_route_methods():
+    """With the route table, OPTIONS and a preflight list the methods of the route on that path (and OPTIONS),
+    not every method the gateway serves (RFC 9110 section 9.3.7)."""
+    async with _routed_client() as c:
+        r = await c.options("/v1/ok")
+        assert r.status_code == 204 and r.headers["allow"] == "GET, HEAD, POST, OPTIONS"
+        r = await c.options("/v1/limited", headers=PREFLIGHT)
+        assert r.status_code == 204 and r.headers["allow"] == "GET, HEAD, OPTIONS"
+        assert r.headers["access-control-allow-methods"] == "GET, HEAD, OPTIONS"
+        assert r.headers["access-control-allow-origin"] == "*"
+        # a plain OPTIONS on a path no route has is a 404 with a code; a preflight there still answers
+        r = await c.options("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_route"
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert (await c.options("/v1/nothing", headers=PREFLIGHT)).status_code == 204

@@ -246,3 +246,25 @@ def test_empty_put_on_limits_and_filters_is_400_and_changes_nothing(gateway):
         assert isinstance(r.json()["error"]["code"], str), r.text
     assert httpx.get(f"{base}/{tid}/limits", headers=A, timeout=30).json() == limits_before
     assert httpx.get(f"{base}/{tid}/filters", headers=A, timeout=30).json() == filters_before
+
+
+@pytest.mark.parametrize(
+    "path, admin",
+    [
+        (CHAT, False),
+        ("/v1/completions", False),
+        ("/api/chat", False),
+        ("/api/generate", False),
+        ("/api/show", False),
+        ("/admin/v1/tenants", True),
+    ],
+)
+@pytest.mark.parametrize(
+    "raw", [b"[" * 100_000, b'{"model": ' * 20_000 + b"1" + b"}" * 20_000], ids=["arrays", "objects"]
+)
+def test_deeply_nested_json_is_400_on_every_route_with_a_body(gateway, path, admin, raw):
+    """Nesting deeper than the JSON decoders recurse is a 400 with a code (``invalid_json``, or the type error
+    a typed decoder finds first), never a 500. Both bodies fit the admin limit (256 KiB)."""
+    headers = gateway.admin_headers() if admin else gateway.headers()
+    r = send(gateway, "POST", path, raw, headers)
+    assert code_problem(r, path, 400) is None, r.text[:300]
