@@ -289,6 +289,49 @@ def test_admin_filters_validated_by_parse_config(gateway):
     assert httpx.get(url, headers=A, timeout=30).json() == CUT_FILTERS
 
 
+def test_admin_filters_reject_patterns_re2_cannot_run(gateway):
+    """Backreferences and look-around (Python ``re``, backtracking) are refused when the filter is configured;
+    the 400 names the pattern. A pattern that backtracks catastrophically in ``re`` is linear in RE2."""
+    require(tenancy_wired(gateway), "tenancy")
+    tid, key = new_tenant(gateway, "re2")
+    A = gateway.admin_headers()
+    url = gateway.base_url + f"/admin/v1/tenants/{tid}/filters"
+    for pattern in (r"(\w+) \1", r"secret(?= plan)", r"(?<!no )bomb"):
+        cfg = {"hooks": [{"type": "blocklist", "patterns": ["fine", pattern]}]}
+        r = httpx.put(url, json=cfg, headers=A, timeout=30)
+        assert r.status_code == 400, (pattern, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "filters" and repr(pattern) in err["message"] and "RE2" in err["message"], err
+        r = httpx.post(
+            gateway.base_url + "/admin/v1/tenants",
+            json={"name": "re2-x", "filters": cfg},
+            headers=A,
+            timeout=30,
+        )
+        assert r.status_code == 400 and repr(pattern) in r.json()["error"]["message"], r.text
+    assert httpx.get(url, headers=A, timeout=30).json() in ({}, None)  # nothing was stored
+    cfg = {"hooks": [{"type": "blocklist", "patterns": ["(a+)+$"], "stages": ["prompt"]}]}
+    assert httpx.put(url, json=cfg, headers=A, timeout=30).status_code == 200
+    r = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json={
+            "model": gateway.model,
+            "messages": [{"role": "user", "content": "a" * 26 + "!"}],
+            "max_tokens": 1,
+        },
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text  # Python re: 2**26 steps (~5 s) on the event loop first
+    r = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json={"model": gateway.model, "messages": [{"role": "user", "content": "aaa"}], "max_tokens": 1},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_filter", r.text
+
+
 def test_prompt_blocked_400_stream_and_not(gateway):
     require(tenancy_wired(gateway), "tenancy")
     _, key = new_tenant(gateway, "block", filters=CUT_FILTERS)
