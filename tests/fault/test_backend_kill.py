@@ -87,9 +87,9 @@ def test_backend_kill_mid_stream_then_recovery(make_gateway):
     # heartbeats: with 50 ms pings, a prefill shows at least one ": ping" before the first token
     res = stream_post(gw, CHAT, chat_body(gw, "Say hi. " * 50, max_tokens=2, temperature=0))
     assert res.done and res.pings >= 1
-    r = httpx.patch(
+    r = httpx.put(
         gw.base_url + f"/admin/v1/tenants/{gw.extra['tenant_id']}/limits",
-        json={"max_concurrent": N_STREAMS + 1},
+        json={"rpm": None, "tpm": None, "max_concurrent": N_STREAMS + 1, "daily_tokens": None},
         headers=gw.admin_headers(),
         timeout=30,
     )
