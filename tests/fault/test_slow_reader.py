@@ -1,11 +1,11 @@
 """A streaming client that stops reading: generation stops early, and every token generated is billed.
 
-Real gateway (private: its own backend, tenancy DB and a small token backlog through
-``LLM_GATEWAY_MAX_BACKLOG_TOKENS``) and raw sockets whose receive buffer is shrunk before connecting
-(``SO_RCVBUF`` 4096 bytes), so that the gateway's writes block as soon as the kernel buffers are full. Each
-chunk carries 20 top logprobs (about 2 KB), so those buffers fill after a few dozen tokens and the test
-needs few tokens: it ends as soon as the backend stops, or fails as soon as it generated more than
-the bound without stopping.
+Real gateway (private, from the fault suite's ``fault_gateway``: its own backend, tenancy DB and a small
+token backlog through ``LLM_GATEWAY_MAX_BACKLOG_TOKENS``) and raw sockets whose receive buffer is shrunk
+before connecting (``SO_RCVBUF`` 4096 bytes), so that the gateway's writes block as soon as the kernel
+buffers are full. Each chunk carries 20 top logprobs (about 2 KB), so those buffers fill after a few dozen
+tokens and the test needs few tokens: it ends as soon as the backend stops, or fails as soon as it
+generated more than the bound without stopping.
 
 What must hold (docs/gateway.md "Slow readers", docs/observability.md):
 
@@ -28,7 +28,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from plugins.gateway_server import start_gateway
 
 BACKLOG = 16  # tokens per choice (the default is 256; smaller keeps the test short)
 MAX_TOKENS = 1500
@@ -37,8 +36,8 @@ DEADLINE_S = 90.0  # only a safety net: on 2 idle cores the request stops within
 
 
 @pytest.fixture(scope="module")
-def gw():
-    gp = start_gateway(env={"LLM_GATEWAY_MAX_BACKLOG_TOKENS": str(BACKLOG)})
+def gw(fault_gateway):
+    gp = fault_gateway(env={"LLM_GATEWAY_MAX_BACKLOG_TOKENS": str(BACKLOG)})
     try:
         yield gp
     finally:
