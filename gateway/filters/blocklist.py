@@ -11,12 +11,12 @@ Tenant-supplied regexes run on our CPU, so they are compiled with RE2, whose mat
 text (no backtracking: ``(a+)+$`` costs what ``a+$`` does). RE2 has no backreferences and no
 look-around; a pattern RE2 cannot compile is a ``ValueError`` (the admin API's 400) naming it. Limits: at
 most 256 entries, each at most 256 characters, and the compiled set within RE2's ``max_mem``
-(``base.RE2_MAX_MEM``). Matching goes through ``base.run_matching``: off the event loop for large texts,
+(``matching.RE2_MAX_MEM``). Matching goes through ``matching.run_matching``: off the event loop for large texts,
 within the request's time budget.
 
 Keywords are whole words as Python's ``re`` sees them (``(?<!\\w)keyword(?!\\w)``, Unicode ``\\w``), without
 look-around: the keyword alternation is matched with one neighbour character on each side that is not
-a word character (``base.py_class("\\\\w")``), on the text padded with a newline at both ends.
+a word character (``matching.py_class("\\\\w")``), on the text padded with a newline at both ends.
 """
 
 from __future__ import annotations
@@ -26,18 +26,8 @@ from typing import Any
 
 import re2
 
-from .base import (
-    Hook,
-    OutputChunk,
-    OutputCut,
-    OutputScanner,
-    PromptBlocked,
-    compile_re2,
-    iter_texts,
-    matchable,
-    py_class,
-    run_matching,
-)
+from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked, iter_texts
+from .matching import compile_re2, matchable, py_class, run_matching
 
 MAX_ENTRIES = 256
 MAX_ENTRY_LEN = 256
@@ -198,7 +188,7 @@ class BlocklistHook(Hook):
         self.matcher = compile_blocklist(keywords, patterns, case_sensitive)
 
     async def check_prompt(self, tenant_id, messages):
-        """Raises PromptBlocked on a match; ``base.MatchTimeout`` past the request's matching budget."""
+        """Raises PromptBlocked on a match; ``matching.MatchTimeout`` past the request's matching budget."""
         texts = [text for _role, text in iter_texts(messages, self.roles)]
         matcher = self.matcher
         if matcher is None or not texts:

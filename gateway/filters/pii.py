@@ -21,12 +21,12 @@ On the output stream, a match is redacted once it starts in the part about to be
 has at least ``window`` characters of right context and cannot still grow) or when the stream ends;
 a PII item of at most ``window`` characters is therefore never sent unredacted.
 
-Matching is linear in the text: the patterns run on RE2 (UTF-8 bytes, ``base.compile_re2``), with
+Matching is linear in the text: the patterns run on RE2 (UTF-8 bytes, ``matching.compile_re2``), with
 Python ``re``'s Unicode ``\\d``; the digit-boundary look-behinds, which RE2 lacks, are checked in
 Python at each candidate, and each look-ahead is matched as one or two more characters after the
 item (outside its group), which gives the spans the look-around patterns give (the test suite
-compares both on random texts). :func:`find_pii` stops past a deadline (``base.MatchTimeout``), and
-the hook runs it through ``base.run_matching`` (a worker thread for long texts, within the request's
+compares both on random texts). :func:`find_pii` stops past a deadline (``matching.MatchTimeout``), and
+the hook runs it through ``matching.run_matching`` (a worker thread for long texts, within the request's
 matching budget).
 """
 
@@ -36,20 +36,8 @@ import re
 import time
 from typing import Any
 
-from .base import (
-    Hook,
-    MatchTimeout,
-    OutputChunk,
-    OutputCut,
-    OutputScanner,
-    PromptBlocked,
-    compile_re2,
-    iter_texts,
-    map_texts,
-    matchable,
-    py_class,
-    run_matching,
-)
+from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked, iter_texts, map_texts
+from .matching import MatchTimeout, compile_re2, matchable, py_class, run_matching
 
 KINDS = ("email", "phone", "card")
 
@@ -226,7 +214,7 @@ class PIIHook(Hook):
         return "".join(out)
 
     async def check_prompt(self, tenant_id, messages):
-        """Redacts (a new list) or blocks (PromptBlocked); ``base.MatchTimeout`` past the request's budget."""
+        """Redacts (a new list) or blocks (PromptBlocked); ``matching.MatchTimeout`` past the request's budget."""
         size = sum(len(t) for _role, t in iter_texts(messages, self.roles))
         if self.action == "block":
 

@@ -15,7 +15,7 @@ Where the gateway calls it (see docs/filters.md):
 
 Matching time is bounded (``budget``, the ``http.filter_budget`` setting, seconds): the prompt stage of
 one request, and each output step (one ``feed``/``flush``: every output hook over one window), may spend
-at most ``budget`` seconds in the hooks' matching (``gateway.filters.base.run_matching``); beyond it the
+at most ``budget`` seconds in the hooks' matching (``gateway.filters.matching.run_matching``); beyond it the
 request fails with :func:`filter_timeout` (400, code ``content_filter_timeout``).
 """
 
@@ -29,18 +29,9 @@ from typing import Any
 import httpx
 
 from ..errors import ContentFiltered, InvalidRequest
-from .base import (
-    DEFAULT_BUDGET,
-    Hook,
-    MatchBudget,
-    MatchTimeout,
-    OutputChunk,
-    OutputCut,
-    OutputScanner,
-    PromptBlocked,
-    using_budget,
-)
+from .base import Hook, OutputChunk, OutputCut, OutputScanner, PromptBlocked
 from .config import HOOK_TYPES, FilterConfig, parse_config
+from .matching import DEFAULT_BUDGET, MatchBudget, MatchTimeout, using_budget
 
 log = logging.getLogger("gateway.filters")
 
@@ -164,7 +155,7 @@ class OutputFilter:
         return chunk, None
 
     async def _run(self, final: bool) -> str:
-        with using_budget(MatchBudget(self.budget)):
+        with using_budget(MatchBudget(self.budget, key=self.tenant_id)):
             return await self._run_hooks(final)
 
     async def _run_hooks(self, final: bool) -> str:
@@ -235,7 +226,7 @@ class FilterPipeline:
             gateway.errors.InvalidRequest: 400, code ``content_filter_timeout``, param ``messages``:
                 the matching took more than ``budget`` seconds (:func:`filter_timeout`).
         """
-        with using_budget(MatchBudget(budget)):
+        with using_budget(MatchBudget(budget, key=tenant_id)):
             for h in self._prompt_hooks:
                 messages = await self._check_one(h, tenant_id, messages, budget)
         return messages

@@ -26,8 +26,8 @@ from gateway.filters import (
     pipeline_for,
     register_hook_type,
 )
-from gateway.filters.base import INLINE_CHARS, run_matching
 from gateway.filters.blocklist import MAX_PROGRAM_SIZE
+from gateway.filters.matching import INLINE_CHARS, run_matching
 
 # ------------------------------------------------------------------ config
 
@@ -437,6 +437,24 @@ async def test_matching_over_budget_fails_request_with_400(size):
     assert err["code"] == "content_filter_timeout" and err["param"] is None
     of = p.output_filter("t", budget=2.0)
     assert await of.feed("ok " * 30) and not of.cut
+
+
+async def test_abandoned_match_holds_its_tenants_thread_slot_only():
+    """A match that overran its budget keeps running (RE2 cannot be stopped) in its tenant's one thread
+    slot: that tenant's next large match waits (and runs out of budget), another tenant's does not."""
+    register_hook_type(_Slow)
+    big = INLINE_CHARS + 1
+    slow = build_pipeline(parse_config({"hooks": [{"type": "test-slow", "seconds": 1.0, "size": big}]}))
+    quick = build_pipeline(parse_config({"hooks": [{"type": "test-slow", "seconds": 0.05, "size": big}]}))
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequest):
+        await slow.check_prompt("tenant-a", msgs, budget=0.1)  # its thread sleeps on for ~0.9 s
+    assert await quick.check_prompt("tenant-b", msgs, budget=0.5) is msgs
+    with pytest.raises(InvalidRequest) as ei:
+        await quick.check_prompt("tenant-a", msgs, budget=0.3)  # waits for tenant-a's slot
+    assert ei.value.code == "content_filter_timeout"
+    await trio.sleep(0.8)  # tenant-a's abandoned thread has ended: its slot is free again
+    assert await quick.check_prompt("tenant-a", msgs, budget=0.5) is msgs
 
 
 async def test_large_text_matched_off_the_event_loop():
