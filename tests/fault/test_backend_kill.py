@@ -82,8 +82,15 @@ def in_flight_gauge(gw) -> float:
 
 
 @pytest.mark.timeout(240)
-def test_backend_kill_mid_stream_then_recovery(make_gateway):
-    gw = make_gateway("--backend-wait", "60", heartbeat=0.05, dtype=None)  # the fast default mode
+def test_backend_kill_mid_stream_then_recovery(fault_gateway):
+    gw = fault_gateway("--backend-wait", "60", heartbeat=0.05)
+    try:
+        kill_mid_stream_then_recover(gw)
+    finally:
+        gw.stop()
+
+
+def kill_mid_stream_then_recover(gw) -> None:
     # heartbeats: with 50 ms pings, a prefill shows at least one ": ping" before the first token
     res = stream_post(gw, CHAT, chat_body(gw, "Say hi. " * 50, max_tokens=2, temperature=0))
     assert res.done and res.pings >= 1

@@ -181,7 +181,7 @@ def test_gateway_exits_at_once_when_its_model_cannot_load(tmp_path, model_path):
 
 @pytest.mark.timeout(60)
 def test_sigterm_while_the_backend_is_still_loading(tmp_path):
-    proc = spawn(gateway_cmd(tmp_path, "--dtype", "float32"))
+    proc = spawn(gateway_cmd(tmp_path))
     stopped: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 30
@@ -244,8 +244,8 @@ def backend_state(gw) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_backend_that_keeps_dying_backs_off_then_is_unavailable(make_gateway):
-    gw = make_gateway()
+def test_backend_that_keeps_dying_backs_off_then_is_unavailable(fault_gateway):
+    gw = fault_gateway()
     reaper = Reaper(gw.proc.pid)
     t_kill = time.monotonic()
     reaper.start()  # kills the running backend now, then each restart
@@ -283,6 +283,7 @@ def test_backend_that_keeps_dying_backs_off_then_is_unavailable(make_gateway):
         assert not alive(tree), alive(tree)
     finally:
         reaper.stop()
+        gw.stop()
 
 
 FAKE_BACKEND = """
