@@ -111,7 +111,8 @@ class BlocklistMatcher:
 
     def keyword_spans(self, text: str):
         """Yield the ``(start, end)`` character spans of the keyword matches in ``text``, left to right,
-        non-overlapping: those of Python's ``finditer`` over ``(?<!\\w)k1(?!\\w)|(?<!\\w)k2(?!\\w)|...``."""
+        non-overlapping: those of Python's ``finditer`` over ``(?<!\\w)k1(?!\\w)|(?<!\\w)k2(?!\\w)|...``.
+        For the output windows (each match costs a pass over ``text``)."""
         if self.keywords is None:
             return
         padded = _PAD + matchable(text) + _PAD
@@ -119,7 +120,7 @@ class BlocklistMatcher:
         while (m := self.keywords.search(padded, pos)) is not None:
             s, e = m.start(), m.end() - 2  # the keyword is m[1:-1]; in text, one character to the left
             yield s, e
-            pos = e  # the next keyword starts at e or later: its left neighbour is at e - 1 + 1 (padded)
+            pos = e  # a keyword at text index >= e has its left neighbour at padded index >= e
 
     def first_conclusive(self, chunk: OutputChunk) -> int | None:
         """Where to cut ``chunk`` (index into ``chunk.pending``), or None. See :class:`_BlocklistScanner`."""
