@@ -57,11 +57,25 @@ class _Body:
         self.timed_out = False
 
     async def receive(self) -> Message:
-        """The next message; raises ``RequestTimeout`` when the body is not in by the deadline."""
-        if self.ended or self.timed_out:
+        """The next message; raises ``RequestTimeout`` when it is still awaited at the deadline.
+
+        A message that arrived in time is returned even when it is read later (a handler that reads its body
+        late on a busy server): only waiting past the deadline is a timeout, so the watch is a task that
+        cancels the wait, not a deadline on the read itself (trio would cancel that before it looked)."""
+        if self.ended or self.timed_out or self.deadline == float("inf"):
             return await self.receive_unbounded()
-        with trio.move_on_at(self.deadline):
-            return await self.receive_unbounded()
+        msg: Message | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                await trio.sleep_until(self.deadline)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            msg = await self.receive_unbounded()
+            nursery.cancel_scope.cancel()
+        if msg is not None:  # else the watch cancelled the wait
+            return msg
         self.timed_out = True
         raise RequestTimeout(
             f"The request body did not arrive within {self.timeout:g} seconds.",
