@@ -134,7 +134,7 @@ def checked_filters(config: object) -> object:
     try:
         parse_config(config)
     except ValueError as e:
-        raise InvalidRequest(f"invalid filters config: {e}", param="filters") from None
+        raise InvalidRequest(f"invalid filters config: {e}", param="filters", code="invalid_value") from None
     return config
 
 

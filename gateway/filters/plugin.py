@@ -13,6 +13,7 @@ from typing import Any
 
 from auth.principal import Principal
 
+from .matching import DEFAULT_BUDGET
 from .pipeline import NO_FILTERS, FilterPipeline, OutputFilter, pipeline_for
 
 
@@ -25,10 +26,13 @@ class TenantFilters:
 
     Args:
         default: filter config JSON for requests with no principal (tenancy off); default none.
+        budget: seconds of matching each stage of one request may use (``http.filter_budget``); beyond it
+            the request fails with 400 ``content_filter_timeout``.
     """
 
-    def __init__(self, default: object = None) -> None:
+    def __init__(self, default: object = None, *, budget: float = DEFAULT_BUDGET) -> None:
         self.default = default
+        self.budget = budget
 
     def pipeline(self, principal: Principal | None) -> FilterPipeline:
         """The principal's tenant pipeline (``NO_FILTERS`` when it has no config).
@@ -50,11 +54,11 @@ class TenantFilters:
         p = self.pipeline(principal)
         if not p.enabled:
             return messages
-        return await p.check_prompt(_tenant_id(principal), messages)
+        return await p.check_prompt(_tenant_id(principal), messages, budget=self.budget)
 
     def output_filter(self, principal: Principal | None) -> OutputFilter | None:
         """A fresh OutputFilter for one choice, or None when the tenant has no output-stage hook."""
         p = self.pipeline(principal)
         if not p.filters_output:
             return None
-        return p.output_filter(_tenant_id(principal))
+        return p.output_filter(_tenant_id(principal), budget=self.budget)
