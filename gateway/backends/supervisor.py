@@ -125,8 +125,8 @@ class BackendSupervisor:
         """The 503 to answer while the model is unavailable, else None."""
         if self.state != "unavailable":
             return None
-        return ModelUnavailable(
-            f"The model is unavailable: its backend failed to restart ({self.last_error}).",
+        return ModelUnavailable(  # the reason (a server path) stays in the log and /admin/v1/stats
+            "The model is unavailable: its inference backend failed to restart; retry later.",
             retry_after=self._retry_at - time.monotonic(),
         )
 
