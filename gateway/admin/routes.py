@@ -130,7 +130,18 @@ def replaced(given: LimitsPatch, window_s: float = DEFAULT_WINDOW_S) -> Limits:
 
 
 def checked_filters(config: object) -> object:
-    """``config`` if ``gateway.filters.parse_config`` accepts it. Raises InvalidRequest (400, ``filters``)."""
+    """``config`` if it is a JSON object ``gateway.filters.parse_config`` accepts (``{}``: no filtering).
+
+    Raises:
+        InvalidRequest: 400 ``invalid_type`` for anything but an object (``null`` included: clearing the
+            filters takes an explicit ``{}``), ``invalid_value`` for a config that does not validate.
+    """
+    if not isinstance(config, dict):
+        raise InvalidRequest(
+            "The filter config must be a JSON object ({} for no filtering).",
+            param="filters",
+            code="invalid_type",
+        )
     try:
         parse_config(config)
     except ValueError as e:
