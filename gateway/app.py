@@ -178,7 +178,9 @@ def build_app(gw: Gateway) -> GatewayApp:
         routes.append(Route("/metrics", gw.metrics.endpoint, methods=["GET"]))
     middleware: list[Middleware] = []
     if gw.tenancy is not None:
-        routes += [Mount("/admin/v1", routes=admin_routes(gw.tenancy)), *usage_routes(gw.tenancy)]
+        # the stats route again inside the mount, so that another method on it is a 405 there (not a 404)
+        admin = [Route("/stats", admin_stats, methods=["GET"]), *admin_routes(gw.tenancy)]
+        routes += [Mount("/admin/v1", routes=admin), *usage_routes(gw.tenancy)]
         middleware.append(Middleware(AuthMiddleware, tenants=gw.tenancy))
     routes += [*openapi_routes(), *playground_routes()]
     app = Starlette(

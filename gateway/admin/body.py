@@ -57,9 +57,11 @@ async def read_json(request: Request, *, required: bool = False) -> object:
         raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
 
 
-async def read_struct(request: Request, typ: type[T]) -> T:
-    """The body as ``typ`` (a msgspec Struct); see the module docstring for the errors."""
-    value = await read_json(request)
+async def read_struct(request: Request, typ: type[T], *, required: bool = True) -> T:
+    """The body as ``typ`` (a msgspec Struct); see the module docstring for the errors. An empty body is a 400
+    ``invalid_json`` unless not ``required`` (then it reads as ``{}``): a PATCH or PUT always says what it
+    changes."""
+    value = await read_json(request, required=required)
     if not isinstance(value, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_type")
     try:

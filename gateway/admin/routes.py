@@ -234,7 +234,7 @@ class AdminAPI:
 
     async def create_key(self, request: Request) -> Response:
         t = await self.tenant_or_404(request)
-        body = await read_struct(request, KeyCreate)
+        body = await read_struct(request, KeyCreate, required=False)
         limits = replaced(body.limits) if body.limits is not None else None
         key, rec = await self.store.call(
             Store.create_key, t.id, name=body.name, expires_at=expiry(body.expires_at), limits=limits

@@ -324,8 +324,9 @@ async def test_limits_put_takes_the_whole_object_patch_a_part(env):
     url = f"/admin/v1/tenants/{r.json()['id']}/limits"
     before = (await c.get(url, headers=A)).json()
     assert before == {"rpm": 5, "tpm": 100, "max_concurrent": None, "daily_tokens": None, "window_s": 30.0}
+    r = await c.put(url, headers=A)  # no body at all: a PUT always says what it sets
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     for kw, param in (
-        ({}, "rpm"),
         ({"json": {}}, "rpm"),
         ({"json": {"rpm": 1, "tpm": 2}}, "max_concurrent"),
         ({"json": {"rpm": 1, "tpm": 2, "max_concurrent": 3}}, "daily_tokens"),
@@ -357,7 +358,13 @@ async def test_limits_put_takes_the_whole_object_patch_a_part(env):
     r = await c.patch(url, json={"tpm": 500}, headers=A)
     assert r.status_code == 200 and r.json() == {**before, "tpm": 500}
     assert (await c.patch(url, json={}, headers=A)).json() == {**before, "tpm": 500}
-    assert (await c.patch(url, headers=A)).json() == {**before, "tpm": 500}
+    # a PATCH with no body changes nothing by accident: it is a 400 (as on the tenant and the key)
+    tid = url.split("/")[-2]
+    kid = (await c.post(f"/admin/v1/tenants/{tid}/keys", headers=A)).json()["id"]  # no body: defaults
+    for target in (url, f"/admin/v1/tenants/{tid}", f"/admin/v1/keys/{kid}"):
+        r = await c.patch(target, headers=A)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", (target, r.text)
+    assert (await c.get(url, headers=A)).json() == {**before, "tpm": 500}
     assert (await c.patch(url, json={"rpm": None}, headers=A)).json()["rpm"] is None
     r = await c.patch(url, json={"rpm": "many"}, headers=A)
     assert r.status_code == 400 and r.json()["error"]["param"] == "rpm"

@@ -216,6 +216,7 @@ def test_options_lists_the_route_methods_only(gateway, path, allowed):
         ("/v1/models", {"GET", "HEAD", "OPTIONS"}, False),
         ("/healthz", {"GET", "HEAD", "OPTIONS"}, False),
         ("/admin/v1/tenants", {"GET", "HEAD", "POST", "OPTIONS"}, True),
+        ("/admin/v1/stats", {"GET", "HEAD", "OPTIONS"}, True),  # a path inside the admin mount's prefix
     ],
 )
 def test_unknown_and_wrong_methods_are_405_with_allow(gateway, method, path, allowed, admin):

@@ -86,16 +86,7 @@ OPERATIONS = (
 # Findings in code this suite does not own, skipped until fixed: (check, operation label or "*") -> reason.
 # Remove an entry once its fix is in; a test whose failures are all listed here is skipped with the reasons
 # (any other failure of its checks still fails it).
-_EMPTY_PATCH = "PATCH with no body is a 200 no-op, not a 400 (gateway/admin/body.py read_struct)"
-KNOWN: dict[tuple[str, str], str] = {
-    ("negative_data_rejection", "PATCH /admin/v1/keys/{key_id}"): _EMPTY_PATCH,
-    ("negative_data_rejection", "PATCH /admin/v1/tenants/{tenant_id}"): _EMPTY_PATCH,
-    ("negative_data_rejection", "PATCH /admin/v1/tenants/{tenant_id}/limits"): _EMPTY_PATCH,
-    ("unsupported_method", "GET /admin/v1/stats"): (
-        "TRACE, POST, PUT, PATCH, DELETE /admin/v1/stats are a 404 unknown_route, not a 405 (gateway/app.py: "
-        "the /admin/v1 mount answers a method the stats route lacks)"
-    ),
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -132,7 +132,7 @@ def test_errors_map_to_the_same_openai_bodies():
             Unauthenticated("no key", code=None),
             AuthenticationError,
             401,
-            {"message": "no key", "type": "invalid_request_error", "param": None, "code": None},
+            {"message": "no key", "type": "invalid_request_error", "param": None, "code": "invalid_api_key"},
         ),
         (
             Forbidden("not admin", code="admin_required"),
