@@ -100,7 +100,11 @@ class BackendSettings(Section):
         600.0
     )
     request_buffer: Annotated[
-        int, _opt("backend outputs buffered per request before a slow client is aborted", ge=1)
+        int,
+        _opt(
+            "backend outputs queued per request (a memory cap; a streaming client that stops reading meets --max-backlog-tokens first)",
+            ge=1,
+        ),
     ] = 4096
     max_backlog_tokens: Annotated[
         int,
