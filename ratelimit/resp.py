@@ -115,14 +115,22 @@ class RedisClient:
 
     @staticmethod
     async def _roundtrip(conn: _Conn, args: tuple):
-        await conn.stream.send_all(_encode(args))
-        reply = await conn.read_reply()
+        try:
+            await conn.stream.send_all(_encode(args))
+            reply = await conn.read_reply()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise RedisError(f"connection lost: {exc}") from exc
         if isinstance(reply, RedisError):
             raise reply
         return reply
 
     async def execute(self, *args):
-        """Send one command, return its reply (str | int | list | None); raises RedisError on error."""
+        """Send one command, return its reply (str | int | list | None).
+
+        Raises:
+            RedisError: an error reply, or the connection lost mid-command (reset, closed).
+            OSError: no connection could be made.
+        """
         if self._closed:
             raise RedisError("client closed")
         conn = None
@@ -138,6 +146,11 @@ class RedisClient:
             await conn.stream.send_all(_encode(args))
             reply = await conn.read_reply()
             ok = True
+        except (
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+        ) as exc:  # a reset: one error type for callers
+            raise RedisError(f"connection lost: {exc}") from exc
         finally:
             if ok and not self._closed and len(self._idle) < self._max_idle:
                 self._idle.append(conn)
