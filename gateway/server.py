@@ -58,7 +58,9 @@ def backend_pool(settings: Settings, model: str | None) -> BackendPool:
     b = settings.backend
     if b.backend_url:
         sups = [
-            BackendSupervisor(url=u, name=f"backend-{i}", request_buffer=b.request_buffer)
+            BackendSupervisor(
+                url=u, name=f"backend-{i}", request_buffer=b.request_buffer, max_failures=b.max_failures
+            )
             for i, u in enumerate(b.backend_url)
         ]
     else:
@@ -68,7 +70,9 @@ def backend_pool(settings: Settings, model: str | None) -> BackendPool:
             startup_timeout=b.backend_startup_timeout,
         )
         sups = [
-            BackendSupervisor(spawn=spec, name=f"backend-{i}", request_buffer=b.request_buffer)
+            BackendSupervisor(
+                spawn=spec, name=f"backend-{i}", request_buffer=b.request_buffer, max_failures=b.max_failures
+            )
             for i in range(b.backends)
         ]
     return BackendPool(sups, wait_timeout=b.backend_wait)
@@ -133,7 +137,13 @@ async def serve(settings: Settings) -> None:
         metrics.set_stats_source(pool.stats)
         configure_access_log(obs.access_log)
         gw = Gateway(
-            settings, pool, tokenizer, template, tenancy=tenancy, filters=TenantFilters(), metrics=metrics
+            settings,
+            pool,
+            tokenizer,
+            template,
+            tenancy=tenancy,
+            filters=TenantFilters(budget=settings.http.filter_budget),
+            metrics=metrics,
         )
         app = build_app(gw)
 

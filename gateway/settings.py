@@ -106,6 +106,9 @@ class BackendSettings(Section):
             ge=1,
         ),
     ] = 4096
+    max_failures: Annotated[
+        int, _opt("backend failures in a row (with backoff) before the model is unavailable (503)", ge=1)
+    ] = 5
     max_backlog_tokens: Annotated[
         int,
         _opt(

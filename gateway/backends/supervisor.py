@@ -47,7 +47,7 @@ from gateway.backends.request import DEFAULT_REQUEST_BUFFER, BackendUnavailable
 
 log = logging.getLogger("gateway.supervisor")
 
-MAX_FAILURES = 5  # consecutive failed starts / short runs before giving up (first start) or unavailable
+MAX_FAILURES = 5  # default failures in a row before giving up (first start) or unavailable (backend.max_failures)
 HEALTHY_S = 30.0  # seconds of running after Ready that reset the failure count and the backoff
 BACKOFF_MIN_S = 0.5  # first restart delay, seconds; doubles per consecutive failure
 BACKOFF_MAX_S = 10.0
@@ -92,6 +92,7 @@ class BackendSupervisor:
         spawn: SpawnSpec | None = None,
         name: str = "backend-0",
         request_buffer: int = DEFAULT_REQUEST_BUFFER,
+        max_failures: int = MAX_FAILURES,
     ) -> None:
         if (url is None) == (spawn is None):
             raise ValueError("give exactly one of url / spawn")
@@ -103,6 +104,7 @@ class BackendSupervisor:
             url = f"unix:{os.path.join(self._tmpdir, name + '.sock')}"
         self.url: str = url  # type: ignore[assignment]
         self.request_buffer = request_buffer
+        self.max_failures = max_failures
         self.client: BackendClient | None = None
         self.ready_event = trio.Event()  # set while a client is published
         self.state = "starting"
@@ -191,14 +193,14 @@ class BackendSupervisor:
                         self.failures, backoff = 0, BACKOFF_MIN_S
                     self.failures += 1
                     load_failed = rc == EXIT_MODEL_LOAD_FAILED
-                    if not started and (load_failed or self.failures >= MAX_FAILURES):
+                    if not started and (load_failed or self.failures >= self.max_failures):
                         failure = BackendStartError(
                             self.last_error
                             if load_failed
                             else f"backend {self.name} failed to start {self.failures} times: {self.last_error}"
                         )
                         break
-                    if load_failed or self.failures >= MAX_FAILURES:
+                    if load_failed or self.failures >= self.max_failures:
                         if self.state != "unavailable":
                             log.error(
                                 "%s: model unavailable after %d failure(s) in a row: %s",

@@ -9,8 +9,9 @@ moment.
 * SIGTERM while the backend is still loading (the backend is SIGSTOPped, a load that never ends): the gateway
   exits 0 within ``PROMPT_EXIT_S`` and no process it started is left.
 * A backend that dies at once every time it is restarted after a good start (each new backend child is
-  SIGKILLed as soon as it appears): the restarts are spaced 0.5, 1, 2, 4 s (exponential, never a tight
-  loop); after ``MAX_FAILURES`` = 5 failures in a row the model is unavailable: a request gets 503
+  SIGKILLed as soon as it appears): the restarts are spaced 0.5, 1, 2 s (exponential, never a tight
+  loop); after ``MAX_FAILURES`` = 4 failures in a row (``--max-failures 4``; the default is 5, fewer keeps the
+  test short) the model is unavailable: a request gets 503
   ``model_unavailable`` with ``retry-after`` at once, ``/readyz`` is 503, no new attempt for
   ``UNAVAILABLE_RETRY_S`` = 30 s; SIGTERM during that backoff exits 0 within ``PROMPT_EXIT_S``.
 * A restart that cannot load the model (the file was removed after a good start): unavailable at once; the
@@ -42,8 +43,8 @@ pytestmark = pytest.mark.slow
 
 EXIT_BOUND_S = 30.0
 PROMPT_EXIT_S = 5.0
-MAX_FAILURES = 5  # gateway.backends.supervisor.MAX_FAILURES
-BACKOFFS_S = (0.5, 1.0, 2.0, 4.0)  # the waits before restarts #1..#4
+MAX_FAILURES = 4  # --max-failures (backend.max_failures; the default is 5)
+BACKOFFS_S = (0.5, 1.0, 2.0)  # the waits before restarts #1..#3
 
 
 def write_vocab_only_gguf(src: str, dst: Path) -> None:
@@ -248,7 +249,7 @@ def backend_state(gw) -> dict:
 
 @pytest.mark.timeout(120)
 def test_backend_that_keeps_dying_backs_off_then_is_unavailable(fault_gateway):
-    gw = fault_gateway()
+    gw = fault_gateway("--max-failures", str(MAX_FAILURES))
     reaper = Reaper(gw.proc.pid)
     t_kill = time.monotonic()
     reaper.start()  # kills the running backend now, then each restart
