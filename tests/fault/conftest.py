@@ -1,18 +1,31 @@
-"""Shared fixtures of the fault suite (``tests/fault/``): each fault test runs its own gateway.
+"""Shared fixtures of the fault suite (``tests/fault/``).
 
-``fault_gateway`` (session scope) is a factory: ``fault_gateway(*args, **kw)`` starts a private gateway
-(``plugins.gateway_server.start_gateway``: tenancy on, a tenant and its API key) in the served default dtype
-(bfloat16 on CPU), 3-4x faster than the float32 the e2e tests use for exact logits: a fault test compares no
-text, and its time counts against the suite's budget. The caller stops it (``gp.stop()``).
+* ``fault_gateway`` (session scope) is a factory: ``fault_gateway(*args, **kw)`` starts a private gateway
+  (``plugins.gateway_server.start_gateway``: tenancy on, a tenant and its API key) in the served default dtype
+  (bfloat16 on CPU), 3-4x faster than the float32 the e2e tests use for exact logits: a fault test compares
+  no text, and its time counts against the suite's budget. The caller stops it (``gp.stop()``). Tests that
+  kill, stop or restart their gateway or its backend take one of these.
+* ``borrow_gateway`` (session scope) is a factory too: ``borrow_gateway()`` gives a view of ONE gateway the
+  fault tests that leave it running share (started on first use with ``SHARED_ARGS`` and ``SHARED_ENV``),
+  with a tenant and API key of its own; its ``stop()`` only gives the view back. A gateway start costs
+  5-20 s on two cores, so sharing keeps the suite inside its time budget. The tests run one after another,
+  so counters read before and after a test (engine tokens, KV blocks) are that test's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
-from plugins.gateway_server import GatewayProc, start_gateway
+from plugins.gateway_server import GatewayProc, _setup_tenancy, start_gateway
+
+SHARED_BODY_TIMEOUT = 2.0  # seconds: --body-timeout of the shared gateway (test_slow_body.py)
+SHARED_BACKLOG = 16  # --max-backlog-tokens of the shared gateway (test_slow_reader.py; the default is 256)
+# one torch thread: the test's clients (a soak, schemathesis) need the other core
+SHARED_ARGS = ("--threads", "1", "--body-timeout", str(SHARED_BODY_TIMEOUT))
+SHARED_ENV = {"LLM_GATEWAY_MAX_BACKLOG_TOKENS": str(SHARED_BACKLOG)}
 
 
 def _start(*args: str, **kw) -> GatewayProc:
@@ -24,3 +37,37 @@ def _start(*args: str, **kw) -> GatewayProc:
 @pytest.fixture(scope="session")
 def fault_gateway() -> Callable[..., GatewayProc]:
     return _start
+
+
+class BorrowedGateway(GatewayProc):
+    """A view of the shared fault gateway with a tenant of its own: ``stop()`` closes the view's stats client
+    and leaves the process running (the session fixture stops it)."""
+
+    def stop(self) -> None:
+        client = self.extra.pop("_client", None)
+        if client is not None:
+            client.close()
+
+
+@pytest.fixture(scope="session")
+def borrow_gateway() -> Iterator[Callable[[], GatewayProc]]:
+    shared: list[GatewayProc] = []
+    views: list[GatewayProc] = []
+
+    def borrow() -> GatewayProc:
+        if not shared:
+            shared.append(_start(*SHARED_ARGS, env=SHARED_ENV))
+        gp = shared[0]
+        fields = {f.name: getattr(gp, f.name) for f in dataclasses.fields(gp)}
+        view = BorrowedGateway(**{**fields, "extra": {}})
+        _setup_tenancy(view)  # a tenant and key of its own
+        views.append(view)
+        return view
+
+    try:
+        yield borrow
+    finally:
+        for view in views:
+            view.stop()
+        for gp in shared:
+            gp.stop()

@@ -1,6 +1,6 @@
 """Schemathesis over the served ``/openapi.json``: no 5xx and no answer outside the document.
 
-One private gateway (tenancy on, its own database) is fuzzed by the schemathesis CLI with both keys: the
+The fault suite's shared gateway (``borrow_gateway``, a tenant of its own) is fuzzed by the schemathesis CLI with both keys: the
 ``tenantKey`` scheme gets a tenant API key (``/v1/*``, ``/api/*``), ``adminKey`` the admin key
 (``/admin/v1/*``); schemathesis applies each operation's own ``security``. Two runs, in this order: every
 operation off ``/admin/`` first, then the admin API (its fuzzing deletes tenants and revokes keys, the
@@ -272,8 +272,8 @@ def _run_cli(url: str, config: Path, report_dir: Path, select: list[str]) -> tup
 
 
 @pytest.fixture(scope="module")
-def fuzz(tmp_path_factory, fault_gateway) -> FuzzRun:
-    gp = fault_gateway("--threads", "1")  # one torch thread: the gateway and the client need the other core
+def fuzz(tmp_path_factory, borrow_gateway) -> FuzzRun:
+    gp = borrow_gateway()  # the shared fault gateway (one torch thread: schemathesis needs the other core)
     try:
         tmp = tmp_path_factory.mktemp("schemathesis")
         config = tmp / "schemathesis.toml"

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-BODY_TIMEOUT = 2.0  # seconds, the private gateway's --body-timeout
+BODY_TIMEOUT = 2.0  # seconds: conftest.SHARED_BODY_TIMEOUT, the shared fault gateway's --body-timeout
 SLACK = 3.0  # seconds past the timeout by which every trickler must have its 408 (a shared 2-core machine)
 TRICKLERS = 24
 
@@ -81,8 +81,8 @@ def parse(raw: bytes) -> tuple[int, dict[str, str], dict]:
 
 
 @pytest.mark.timeout(120)
-def test_trickled_bodies_get_408_and_are_closed(make_gateway):
-    gp = make_gateway("--body-timeout", str(BODY_TIMEOUT))
+def test_trickled_bodies_get_408_and_are_closed(borrow_gateway):
+    gp = borrow_gateway()  # the shared fault gateway runs with --body-timeout BODY_TIMEOUT
     base = in_flight(gp)
     routes = [
         ("/v1/chat/completions", gp.api_key, False),

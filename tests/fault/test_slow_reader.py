@@ -1,7 +1,7 @@
 """A streaming client that stops reading: generation stops early, and every token generated is billed.
 
-Real gateway (private, from the fault suite's ``fault_gateway``: its own backend, tenancy DB and a small
-token backlog through ``LLM_GATEWAY_MAX_BACKLOG_TOKENS``) and raw sockets whose receive buffer is shrunk
+Real gateway (the fault suite's shared one, ``borrow_gateway``: a tenant of its own, and a small token
+backlog through ``LLM_GATEWAY_MAX_BACKLOG_TOKENS``) and raw sockets whose receive buffer is shrunk
 before connecting (``SO_RCVBUF`` 4096 bytes), so that the gateway's writes block as soon as the kernel
 buffers are full. Each chunk carries 20 top logprobs (about 2 KB), so those buffers fill after a few dozen
 tokens and the test needs few tokens: it ends as soon as the backend stops, or fails as soon as it
@@ -29,15 +29,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-BACKLOG = 16  # tokens per choice (the default is 256; smaller keeps the test short)
+BACKLOG = 16  # tokens per choice: conftest.SHARED_BACKLOG (the default is 256; smaller keeps the test short)
 MAX_TOKENS = 1500
 SLACK = 64  # tokens per choice the loopback socket buffers hold (chunks of ~2 KB: ~10-15 measured), and more
 DEADLINE_S = 90.0  # only a safety net: on 2 idle cores the request stops within seconds
 
 
 @pytest.fixture(scope="module")
-def gw(fault_gateway):
-    gp = fault_gateway(env={"LLM_GATEWAY_MAX_BACKLOG_TOKENS": str(BACKLOG)})
+def gw(borrow_gateway):
+    gp = borrow_gateway()  # the shared fault gateway runs with --max-backlog-tokens BACKLOG
     try:
         yield gp
     finally:

@@ -1,6 +1,6 @@
 """A soak of ``SOAK_REQUESTS`` requests with random client disconnects leaves nothing behind.
 
-One private gateway (tenancy on); its tenant's limits are high enough that admission refuses nothing
+The fault suite's shared gateway (``borrow_gateway``), a tenant of its own whose limits are high enough that admission refuses nothing
 (``max_concurrent`` twice the clients; ``tpm`` over a day-long window, so that the token bucket hardly
 refills and what it holds can be compared with the ledger). ``CLIENTS`` clients share a fixed list of
 requests drawn from ``random.Random(SEED)``: chat (streamed or not), completions (streamed or not) and Ollama
@@ -241,8 +241,8 @@ def metric_samples(text: str, name: str) -> list[tuple[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def soaked(fault_gateway):
-    gp = fault_gateway("--threads", "1")  # one torch thread: the gateway and the client need the other core
+def soaked(borrow_gateway):
+    gp = borrow_gateway()  # the shared fault gateway (one torch thread: the clients need the other core)
     try:
         tid = gp.extra["tenant_id"]
         A = gp.admin_headers()
