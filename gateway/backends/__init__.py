@@ -3,6 +3,9 @@
 - ``address``: ``unix:PATH`` / ``tcp://HOST:PORT`` parsing and connecting;
 - ``client.BackendClient``: one actor per connection (writer and reader tasks);
 - ``request``: ``RequestHandle`` (one request's outputs) and the link's errors (``BackendUnavailable``...);
-- ``supervisor.BackendSupervisor``: spawns or connects one backend, restarts it when it dies;
+- ``process.BackendProcess``: one spawned backend: its process group, exit status and relayed stderr (the
+  load-error line kept);
+- ``supervisor.BackendSupervisor``: spawns or connects one backend, restarts it with backoff, marks the model
+  unavailable after repeated failures; a first start that cannot load the model is fatal;
 - ``pool.BackendPool``: all supervisors; picks the least-loaded ready backend per request.
 """
