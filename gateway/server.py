@@ -30,11 +30,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 from functools import partial
 
 import trio
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hyper_serve
 
 from backend.model_path import default_model_path
@@ -107,6 +108,30 @@ def _load_tokenizer(path: str | None):
         raise StartupError(f"cannot load tokenizer {path}: {' '.join(str(exc).split())}") from None
 
 
+class _Config(Config):
+    """hypercorn's ``Config`` whose TCP listeners carry ``TCP_USER_TIMEOUT`` (Linux, tcp(7)).
+
+    Accepted connections inherit it from the listener. The kernel then drops a connection whose sent data
+    stays unacknowledged for ``send_timeout`` seconds, a client that stops reading included (zero-window
+    probes count, unlike keep-alive probes): hypercorn's write to it fails, the request sees a disconnect
+    and gives back its concurrency slot and KV blocks. Without it a client that neither reads nor closes
+    would hold its request (hypercorn's writes are shielded from cancellation) for as long as it likes.
+    """
+
+    def __init__(self, *, send_timeout: float) -> None:
+        super().__init__()
+        self.send_timeout = send_timeout
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        ms = int(self.send_timeout * 1000)
+        if ms > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+            for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
+        return sockets
+
+
 async def serve(settings: Settings) -> None:
     """Run the gateway until SIGINT/SIGTERM (see module docstring).
 
@@ -147,7 +172,7 @@ async def serve(settings: Settings) -> None:
         )
         app = build_app(gw)
 
-        hc = Config()
+        hc = _Config(send_timeout=settings.http.send_timeout)
         hc.bind = [f"{settings.http.host}:{settings.http.port}"]
         hc.graceful_timeout = (
             1.0  # after the drain gate's drain: closes idle connections, cancels what ran over

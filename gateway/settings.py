@@ -75,12 +75,12 @@ class HTTPSettings(Section):
         float, _opt("seconds a grammar may take to compile and check (400 beyond)", gt=0)
     ] = 2.0
     body_timeout: Annotated[
-        float,
-        _opt("seconds a request body may take to arrive (408 and connection close beyond; 0: none)", ge=0),
+        float, _opt("seconds a request body may take to arrive (408 beyond; 0: none)", ge=0)
     ] = 30.0
-    filter_budget: Annotated[
-        float, _opt("seconds of content-filter matching one request may use (the request fails beyond)", gt=0)
-    ] = 1.0
+    send_timeout: Annotated[
+        float, _opt("seconds a client may leave a response unread (then: dropped)", ge=0)
+    ] = 60.0
+    filter_budget: Annotated[float, _opt("seconds of content-filter matching per request stage", gt=0)] = 1.0
     cors_origins: Annotated[list[str], _opt("origins allowed by CORS ('*': any)")] = msgspec.field(
         default_factory=lambda: ["*"]
     )
@@ -99,13 +99,7 @@ class BackendSettings(Section):
     backend_startup_timeout: Annotated[float, _opt("seconds a spawned backend gets to be ready", gt=0)] = (
         600.0
     )
-    request_buffer: Annotated[
-        int,
-        _opt(
-            "backend outputs queued per request (a memory cap; a streaming client that stops reading meets --max-backlog-tokens first)",
-            ge=1,
-        ),
-    ] = 4096
+    request_buffer: Annotated[int, _opt("backend outputs queued per request (a memory cap)", ge=1)] = 4096
     max_failures: Annotated[
         int, _opt("backend failures in a row (with backoff) before the model is unavailable (503)", ge=1)
     ] = 5

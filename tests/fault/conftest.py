@@ -22,9 +22,14 @@ import pytest
 from plugins.gateway_server import GatewayProc, _setup_tenancy, start_gateway
 
 SHARED_BODY_TIMEOUT = 2.0  # seconds: --body-timeout of the shared gateway (test_slow_body.py)
+# seconds: --send-timeout of the shared gateway (test_slow_reader.py; a client resuming sooner keeps its stream)
+SHARED_SEND_TIMEOUT = 5.0
 SHARED_BACKLOG = 16  # --max-backlog-tokens of the shared gateway (test_slow_reader.py; the default is 256)
 # one torch thread: the test's clients (a soak, schemathesis) need the other core
-SHARED_ARGS = ("--threads", "1", "--body-timeout", str(SHARED_BODY_TIMEOUT))
+SHARED_ARGS = (
+    *("--threads", "1", "--body-timeout", str(SHARED_BODY_TIMEOUT)),
+    *("--send-timeout", str(SHARED_SEND_TIMEOUT)),
+)
 SHARED_ENV = {"LLM_GATEWAY_MAX_BACKLOG_TOKENS": str(SHARED_BACKLOG)}
 
 

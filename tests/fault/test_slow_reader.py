@@ -32,6 +32,7 @@ import pytest
 BACKLOG = 16  # tokens per choice: conftest.SHARED_BACKLOG (the default is 256; smaller keeps the test short)
 MAX_TOKENS = 1500
 SLACK = 64  # tokens per choice the loopback socket buffers hold (chunks of ~2 KB: ~10-15 measured), and more
+SEND_TIMEOUT = 5.0  # seconds: conftest.SHARED_SEND_TIMEOUT, the shared fault gateway's --send-timeout
 DEADLINE_S = 90.0  # only a safety net: on 2 idle cores the request stops within seconds
 
 
@@ -183,3 +184,33 @@ def test_reader_that_stops_then_resumes_gets_an_error_and_n_choices_are_billed(g
     assert (row["status"], row["finish_reason"]) == (499, "abort"), row
     line = access_line(gw, "slow-reader-2")
     assert line["abort_reason"] == "slow_reader" and line["error_code"] == "slow_consumer", line
+
+
+@pytest.mark.timeout(120)
+def test_reader_that_stops_and_stays_loses_its_connection_and_gives_back_its_slot(gw):
+    """A client that stops reading and neither reads on nor closes: once generation stopped, the kernel drops
+    the connection after the send timeout (``--send-timeout``, TCP_USER_TIMEOUT), so the request ends (ledger
+    row 499 ``abort``) and gives back its concurrency slot while the client still holds its socket."""
+    tid, A = gw.extra["tenant_id"], gw.admin_headers()
+    url = gw.base_url + f"/admin/v1/tenants/{tid}/limits"
+    one = {"rpm": None, "tpm": None, "max_concurrent": 1, "daily_tokens": None}
+    assert httpx.put(url, json=one, headers=A, timeout=30).status_code == 200
+    base = gw.wait_idle(60)
+    since = time.time()
+    s = open_stream(gw, body(gw), "slow-reader-3")
+    try:
+        generated = wait_stopped(gw, base, BACKLOG + SLACK)
+        rows = ledger_rows(gw, since, timeout=SEND_TIMEOUT + 15)
+        assert len(rows) == 1, "the request still holds its slot while its client neither reads nor leaves"
+        assert (rows[0]["status"], rows[0]["finish_reason"]) == (499, "abort"), rows[0]
+        assert rows[0]["completion_tokens"] == generated, (rows[0], generated)
+        r = httpx.post(
+            gw.base_url + "/v1/chat/completions",
+            json={"model": gw.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+            headers=gw.headers(),
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text  # max_concurrent 1: the slot was given back
+    finally:
+        s.close()
+        httpx.put(url, json={**one, "max_concurrent": None}, headers=A, timeout=30)
