@@ -47,9 +47,8 @@ from gateway.backends.request import DEFAULT_REQUEST_BUFFER, BackendUnavailable
 
 log = logging.getLogger("gateway.supervisor")
 
-MAX_FAILURES = (
-    5  # default failures in a row before giving up (first start) or unavailable (backend.max_failures)
-)
+# default failures in a row before giving up (first start) or unavailable (backend.max_failures)
+MAX_FAILURES = 5
 HEALTHY_S = 30.0  # seconds of running after Ready that reset the failure count and the backoff
 BACKOFF_MIN_S = 0.5  # first restart delay, seconds; doubles per consecutive failure
 BACKOFF_MAX_S = 10.0
