@@ -3,7 +3,8 @@ gateway on the same Redis and database admits the tenant's full concurrency agai
 follows the 429's ``retry-after-ms`` gets in within that time, the limit stays exact afterwards, and the admin
 call ``DELETE /admin/v1/tenants/{id}/leases`` frees the slots at once.
 
-Two private gateways (``fault_gateway``, each spawns its backend), one redis-server (tests/plugins/redis_server.py), one SQLite
+Two private gateways (``fault_gateway``; the second one started is a client of the first one's backend, the
+backend accepts several gateways), one redis-server (tests/plugins/redis_server.py), one SQLite
 database. Bound from the issue: admitted again within 10 s of the kill (the leases live LEASE_TTL_S = 6 s
 without renewal).
 """
@@ -12,9 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import pytest
@@ -89,54 +88,26 @@ def assert_concurrency_429(r: httpx.Response) -> None:
     assert 1 <= int(r.headers["retry-after"]) and 0 < int(r.headers["retry-after-ms"]) <= LEASE_TTL_S * 1000
 
 
-def start_two(start: Callable[..., GatewayProc], *args: str) -> tuple[list[GatewayProc], threading.Event]:
-    """Two gateways started side by side. Each is started from a thread that stays alive until the returned
-    event is set: the child's PR_SET_PDEATHSIG fires when the thread that forked it exits."""
-    started: list[GatewayProc] = []
-    errors: list[BaseException] = []
-    ready = threading.Semaphore(0)
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            started.append(start(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(e)
-        ready.release()
-        done.wait()
-
-    for _ in range(2):
-        threading.Thread(target=run, daemon=True).start()
-    ready.acquire()
-    ready.acquire()
-    if errors:
-        for g in started:
-            g.stop()
-        done.set()
-        raise errors[0]
-    return started, done
-
-
 @pytest.mark.timeout(240)
 def test_killed_gateway_frees_its_slots_within_the_lease(tmp_path, fault_gateway):
     redis_proc, redis_url = start_redis(tmp_path)
     db = str(tmp_path / "shared.sqlite")
     started: list[GatewayProc] = []
-    done = threading.Event()
     try:
-        started, done = start_two(fault_gateway, "--redis-url", redis_url, "--db", db)
-        g1, g2 = started
+        # g2 spawns the one backend, g1 (the one killed) is a second client of it: one model load, not two
+        g2 = fault_gateway("--redis-url", redis_url, "--db", db)
+        started.append(g2)
+        backend_url = g2.stats()["backends"][0]["url"]
+        g1 = fault_gateway("--redis-url", redis_url, "--db", db, "--backend-url", backend_url)
+        started.append(g1)
         tid, key = new_tenant(g1, max_concurrent=MAX_CONCURRENT)
         with httpx.Client(timeout=30, limits=httpx.Limits(max_connections=20)) as c:
             held = open_streams(c, g1, key, MAX_CONCURRENT)
             assert_concurrency_429(one(g2, key))  # g2 sees g1's slots (shared through Redis)
 
-            # kill -9 the gateway and its backend: nothing is released, nothing renewed
-            backend_pid = g1.backend_pid()
+            # kill -9 the gateway: nothing is released, nothing renewed (the backend it used serves g2 on)
             t_kill = time.monotonic()
             os.kill(g1.proc.pid, signal.SIGKILL)
-            if backend_pid:
-                os.kill(backend_pid, signal.SIGKILL)
             g1.proc.wait(10)
             for r in held:
                 r.close()
@@ -187,9 +158,8 @@ def test_killed_gateway_frees_its_slots_within_the_lease(tmp_path, fault_gateway
             )
             assert r.status_code == 404 and r.json()["error"]["code"] == "tenant_not_found"
     finally:
-        for g in started:  # no drain needed: kill (the backends follow their gateway, PR_SET_PDEATHSIG)
+        for g in started:  # no drain needed: kill (the backend follows its gateway, PR_SET_PDEATHSIG)
             g.proc.kill()
             g.proc.wait(10)
             g.stop()
-        done.set()
         stop_redis(redis_proc)

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 PATTERNS = ["(a+)+$", "!$"]
-STREAM_S = 4.0  # B streams at least this long per measurement (then disconnects)
+STREAM_S = 2.5  # B streams at least this long per measurement (then disconnects)
 STREAM_MAX_S = 20.0  # ... and at most this long, if it takes that long to get MIN_SAMPLES of each kind
 MAX_TOKENS = 2048
 PAUSE_S = 0.02  # between two of A's requests
