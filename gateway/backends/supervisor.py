@@ -342,14 +342,15 @@ class BackendSupervisor:
             await proc.wait()
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Send ``Shutdown`` (SIGTERM to a backend still loading), wait up to ``grace`` seconds for the
-        process to exit, then end ``run()``."""
+        """Send a spawned backend ``Shutdown`` (SIGTERM to one still loading), wait up to ``grace`` seconds
+        for the process to exit, then end ``run()``. A backend reached by URL was not started here and may
+        serve other gateways: it only loses this link (it aborts the requests this gateway sent)."""
         self._stopping = True
         self.state = "stopped"
         self._notify()
         c = self.client
         proc = self._proc
-        if c is not None and c.alive:
+        if c is not None and c.alive and self.spawn is not None:
             c.shutdown()
         elif proc is not None:
             proc.terminate()

@@ -129,10 +129,13 @@ def test_clients_writing_the_whole_body_read_their_413(gateway):
 
 
 @pytest.mark.timeout(90)
-def test_sigterm_with_a_413_client_in_flight_exits_within_the_drain(make_gateway):
+def test_sigterm_with_a_413_client_in_flight_exits_within_the_drain(make_gateway, gateway):
     """A client still writing an announced oversized body when SIGTERM comes does not hold the shutdown:
-    the gateway exits in under 5 s (its drain timeout is 30 s)."""
-    gp = make_gateway("--max-body-bytes", "65536")
+    the gateway exits in under 5 s (its drain timeout is 30 s). The gateway stopped is a second client of the
+    session gateway's backend (``--backend-url``: no model load of its own), which it must leave running: a
+    backend reached by URL was not started by it."""
+    backend = gateway.stats()["backends"][0]
+    gp = make_gateway("--max-body-bytes", "65536", "--backend-url", backend["url"])
     # 48 MiB announced, within what is drained (64 MiB), 8 MiB written: the rest is still to come at the SIGTERM
     eager = start_eager(gp)
     try:
@@ -151,6 +154,15 @@ def test_sigterm_with_a_413_client_in_flight_exits_within_the_drain(make_gateway
         for e in eager:
             answer = e.read(5)
             assert answer == b"" or answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        # the shared backend lives on and still serves the gateway that started it
+        assert gateway.stats()["backends"][0]["pid"] == backend["pid"]
+        r = httpx.post(
+            gateway.base_url + "/v1/chat/completions",
+            json={"model": gateway.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+            headers=gateway.headers(),
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
     finally:
         for e in eager:
             e.close()
