@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sqlite3
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from plugins.records import access_line, ledger_rows
 
 CHAT = "/v1/chat/completions"
 
@@ -40,35 +39,6 @@ def tenant(gateway) -> tuple[str, str]:
     k = httpx.post(gateway.base_url + f"/admin/v1/tenants/{tid}/keys", json={"name": "honest"}, headers=h)
     assert k.status_code == 201, k.text
     return tid, k.json()["key"]
-
-
-def ledger(gp, tenant_id: str, n: int, timeout: float = 15.0) -> list[dict]:
-    """The tenant's usage-ledger rows (oldest first), once there are at least ``n`` (or the timeout)."""
-    path = Path(gp.tmpdir) / "tenancy.sqlite"
-    deadline = time.monotonic() + timeout
-    while True:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        con.row_factory = sqlite3.Row
-        try:
-            rows = [
-                dict(r)
-                for r in con.execute("SELECT * FROM usage WHERE tenant_id = ? ORDER BY id", (tenant_id,))
-            ]
-        finally:
-            con.close()
-        if len(rows) >= n or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.1)
-
-
-def access_line(gp, rid: str, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        for line in gp.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{") and f'"request_id":"{rid}"' in line:
-                return json.loads(line)
-        assert time.monotonic() < deadline, f"no access-log line for {rid}:\n{gp.log_tail()}"
-        time.sleep(0.1)
 
 
 def counter(gp, name: str, **labels: str) -> float:
@@ -126,7 +96,7 @@ def test_non_stream_client_that_leaves_is_499_abort_not_500(gateway, tenant):
     line = access_line(gateway, rid)
     assert (line["status"], line["finish_reason"]) == (499, "abort"), line
     assert line["completion_tokens"] == generated, (line, generated)
-    [row] = ledger(gateway, tid, 1)
+    [row] = ledger_rows(gateway, tenant_id=tid)
     assert (row["status"], row["finish_reason"]) == (499, "abort"), row
     assert row["completion_tokens"] == generated, (row, generated)
     assert counter(gateway, "gateway:http_requests_total", path=CHAT, status="499") == n499 + 1
@@ -138,7 +108,7 @@ def test_non_stream_client_that_leaves_is_499_abort_not_500(gateway, tenant):
 @pytest.mark.timeout(90)
 def test_finished_requests_keep_status_200_in_the_ledger(gateway, tenant):
     tid, key = tenant
-    before = len(ledger(gateway, tid, 0, timeout=0))
+    before = len(ledger_rows(gateway, tenant_id=tid, at_least=0, timeout=0))
     client = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
     msgs = [{"role": "user", "content": "Name three colors."}]
     base = gateway.wait_idle(60)
@@ -157,7 +127,7 @@ def test_finished_requests_keep_status_200_in_the_ledger(gateway, tenant):
         model=gateway.model, messages=msgs, max_tokens=40, temperature=0, stop=[" "]
     )
     generated = generated_since(gateway, base)
-    rows = {r["request_id"]: r for r in ledger(gateway, tid, before + 3)[before:]}
+    rows = {r["request_id"]: r for r in ledger_rows(gateway, tenant_id=tid, at_least=before + 3)[before:]}
     assert len(rows) == 3, rows
     stream_id, stream_usage = chunks[0].id, chunks[-1].usage
     assert stream_usage is not None

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import socket
-import sqlite3
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from plugins.records import access_line, ledger_rows
 
 BACKLOG = 16  # tokens per choice: conftest.SHARED_BACKLOG (the default is 256; smaller keeps the test short)
 MAX_TOKENS = 1500
@@ -76,32 +75,6 @@ def wait_stopped(gp, base: dict, limit: int) -> int:
         time.sleep(0.05)
 
 
-def ledger_rows(gp, since: float, timeout: float = 15.0, n: int = 1) -> list[dict]:
-    """The usage-ledger rows written since ``since`` (UNIX s), straight from the tenancy DB."""
-    path = Path(gp.tmpdir) / "tenancy.sqlite"
-    deadline = time.monotonic() + timeout
-    while True:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        con.row_factory = sqlite3.Row
-        try:
-            rows = [dict(r) for r in con.execute("SELECT * FROM usage WHERE ts >= ? ORDER BY id", (since,))]
-        finally:
-            con.close()
-        if len(rows) >= n or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.1)
-
-
-def access_line(gp, rid: str, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        for line in gp.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{") and f'"request_id":"{rid}"' in line:
-                return json.loads(line)
-        assert time.monotonic() < deadline, f"no access-log line for {rid}:\n{gp.log_tail()}"
-        time.sleep(0.1)
-
-
 def aborts(gp, reason: str) -> float:
     total = 0.0
     for line in httpx.get(gp.base_url + "/metrics", timeout=10).text.splitlines():
@@ -135,7 +108,7 @@ def test_reader_that_stops_then_leaves_is_stopped_and_billed_exactly(gw):
         print(f"slow reader: {generated} tokens generated (backlog {BACKLOG}, max_tokens {MAX_TOKENS})")
     finally:
         s.close()  # leaves with the response unread
-    rows = ledger_rows(gw, since)
+    rows = ledger_rows(gw, tenant_id=gw.extra["tenant_id"], since=since)
     assert len(rows) == 1, rows
     row = rows[0]
     assert row["completion_tokens"] == generated, (row, generated)  # exactly what the backend generated
@@ -177,7 +150,7 @@ def test_reader_that_stops_then_resumes_gets_an_error_and_n_choices_are_billed(g
     errors = [e["error"] for e in events if "error" in e]
     assert [e["code"] for e in errors] == ["slow_consumer"], events[-3:]
     received = sum(1 for e in events for c in e.get("choices", []) if c["delta"].get("content"))
-    rows = ledger_rows(gw, since)
+    rows = ledger_rows(gw, tenant_id=gw.extra["tenant_id"], since=since)
     assert len(rows) == 1, rows
     row = rows[0]
     assert row["completion_tokens"] == generated > received, (row, generated, received)
@@ -200,7 +173,7 @@ def test_reader_that_stops_and_stays_loses_its_connection_and_gives_back_its_slo
     s = open_stream(gw, body(gw), "slow-reader-3")
     try:
         generated = wait_stopped(gw, base, BACKLOG + SLACK)
-        rows = ledger_rows(gw, since, timeout=SEND_TIMEOUT + 15)
+        rows = ledger_rows(gw, tenant_id=gw.extra["tenant_id"], since=since, timeout=SEND_TIMEOUT + 15)
         assert len(rows) == 1, "the request still holds its slot while its client neither reads nor leaves"
         assert (rows[0]["status"], rows[0]["finish_reason"]) == (499, "abort"), rows[0]
         assert rows[0]["completion_tokens"] == generated, (rows[0], generated)

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 import trio
+from plugins.records import ledger_rows
 
 SEED = 20261201
 SOAK_REQUESTS = 1000
@@ -197,20 +196,6 @@ def remaining_tokens(gp) -> int | None:
     return int(value) if value is not None else None
 
 
-def ledger_rows(gp, tenant_id: str, expected: int, timeout: float = 20.0) -> list[dict]:
-    """The ledger rows of ``tenant_id`` (the SQLite file read-only), once at least ``expected`` are written."""
-    path = Path(gp.tmpdir) / "tenancy.sqlite"
-    deadline = time.monotonic() + timeout
-    while True:
-        httpx.get(gp.base_url + "/v1/usage", headers=gp.headers(), timeout=30)  # flushes queued rows
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-            db.row_factory = sqlite3.Row
-            rows = [dict(r) for r in db.execute("SELECT * FROM usage WHERE tenant_id = ?", (tenant_id,))]
-        if len(rows) >= expected or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.2)
-
-
 async def soak(gp, specs: list[Spec]) -> list[Outcome]:
     outcomes: list[Outcome] = []
     send, recv = trio.open_memory_channel[Spec](len(specs))
@@ -262,7 +247,7 @@ def soaked(borrow_gateway):
                 httpx.post(gp.base_url + path, json=body, headers=gp.headers(), timeout=60).status_code == 200
             )
         baseline = gp.wait_idle(timeout=30)
-        warm_ids = {r["id"] for r in ledger_rows(gp, tid, 3)}
+        warm_ids = {r["id"] for r in ledger_rows(gp, tenant_id=tid, at_least=3, timeout=20, flush=True)}
         specs = soak_specs(SOAK_REQUESTS, SEED)
         t_start = time.monotonic()
         before_remaining = remaining_tokens(gp)
@@ -271,7 +256,9 @@ def soaked(borrow_gateway):
         after = gp.wait_idle(timeout=30, baseline_kv=baseline["kv_blocks_used"])
         metrics = httpx.get(gp.base_url + "/metrics", timeout=30).text
         admitted_at_least = sum(1 for o in outcomes if o.status == 200 and not o.left)
-        rows = ledger_rows(gp, tid, len(warm_ids) + admitted_at_least)
+        rows = ledger_rows(
+            gp, tenant_id=tid, at_least=len(warm_ids) + admitted_at_least, timeout=20, flush=True
+        )
         soak_rows = [r for r in rows if r["id"] not in warm_ids]
         usage_total = sum(r["total_tokens"] for r in soak_rows)
         t_measure = time.monotonic()
