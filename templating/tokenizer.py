@@ -85,6 +85,18 @@ def _sentencepiece_token_bytes(token: str) -> bytes:
     return token.replace("\u2581", " ").encode("utf-8")
 
 
+GIL_FREE_CHARS = 4096  # texts longer than this are encoded with the GIL released
+
+
+def _encode(tok: Tokenizer, text: str) -> list[int]:
+    """``tok.encode(text)`` ids (no special tokens added). A long text goes through ``encode_batch``, the same
+    ids, which releases the GIL while it runs: ``Tokenizer.encode`` holds it, so a multi-megabyte prompt
+    tokenized in a worker thread would still stall the event loop for seconds."""
+    if len(text) <= GIL_FREE_CHARS:
+        return tok.encode(text, add_special_tokens=False).ids
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 @dataclass
 class TextTokenizer:
     """A loaded tokenizer plus what templating and detokenizing need.
@@ -158,7 +170,7 @@ class TextTokenizer:
         """
         if not text:
             return []
-        return self.plain.encode(text, add_special_tokens=False).ids
+        return _encode(self.plain, text)
 
     def encode_with_specials(self, text: str) -> list[int]:
         """Token ids of trusted text (e.g. a rendered template) in which special-token strings ARE parsed.
@@ -167,7 +179,7 @@ class TextTokenizer:
         """
         if not text:
             return []
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return _encode(self.tokenizer, text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD (one per maximal invalid subpart).
