@@ -48,6 +48,11 @@ def _str_list(params: dict[str, Any], key: str) -> list[str]:
         raise ValueError(f"blocklist: {key!r} must be a list of non-empty strings")
     if any(len(s) > MAX_ENTRY_LEN for s in v):
         raise ValueError(f"blocklist: each of {key!r} must be at most {MAX_ENTRY_LEN} characters")
+    for s in v:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"blocklist: {key!r} entry {s!r} is not valid text (a lone surrogate)") from None
     return v
 
 

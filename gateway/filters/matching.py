@@ -113,8 +113,10 @@ def py_class(escape: str) -> str:
 class _Slots:
     """The worker-thread limiter of one Trio run: MATCH_THREADS in all, one per tenant key.
 
-    It has the limiter interface ``trio.to_thread.run_sync`` takes: a thread keeps both its slots until
-    it ends, also when its caller gave up on it.
+    It has the limiter interface ``trio.to_thread.run_sync`` takes. A thread keeps its tenant's slot until it
+    ends, also when its caller gave up on it (so a tenant has at most one match running, abandoned or not);
+    the shared slot goes back when the caller gives up (:meth:`_KeySlot.abandon`), so that a few tenants'
+    abandoned matches cannot leave every other tenant waiting for a thread.
     """
 
     def __init__(self) -> None:
@@ -131,6 +133,7 @@ class _KeySlot:
     def __init__(self, slots: _Slots, key: object) -> None:
         self.slots, self.key = slots, key
         self.own: trio.CapacityLimiter | None = None
+        self.borrower: object = None  # holding the shared slot on its behalf, until released or abandoned
 
     async def acquire_on_behalf_of(self, borrower: object) -> None:
         own = self.own = self.slots.per_key.setdefault(self.key, trio.CapacityLimiter(1))
@@ -145,10 +148,17 @@ class _KeySlot:
             own.release_on_behalf_of(borrower)
             self._drop_if_idle()
             raise
+        self.borrower = borrower
+
+    def abandon(self) -> None:
+        """The caller gave up on the thread: the shared slot goes back now, the tenant's when it ends."""
+        if self.borrower is not None:
+            self.slots.total.release_on_behalf_of(self.borrower)
+            self.borrower = None
 
     def release_on_behalf_of(self, borrower: object) -> None:
         assert self.own is not None
-        self.slots.total.release_on_behalf_of(borrower)
+        self.abandon()
         self.own.release_on_behalf_of(borrower)
         self._drop_if_idle()
 
@@ -205,11 +215,12 @@ class MatchBudget:
             if size <= INLINE_CHARS:
                 out = fn(deadline)
             else:
+                limiter = _slots().bind(self.key)
                 with trio.move_on_after(self.left):
-                    limiter = _slots().bind(self.key)
                     return await trio.to_thread.run_sync(
                         fn, deadline, limiter=limiter, abandon_on_cancel=True
                     )
+                limiter.abandon()
                 raise MatchTimeout
         finally:
             self.left -= time.monotonic() - t0

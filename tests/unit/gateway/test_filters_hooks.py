@@ -457,6 +457,23 @@ async def test_abandoned_match_holds_its_tenants_thread_slot_only():
     assert await quick.check_prompt("tenant-a", msgs, budget=0.5) is msgs
 
 
+async def test_abandoned_matches_of_many_tenants_leave_a_thread_for_the_others():
+    """As many tenants as there are shared match threads each abandon a slow match: their threads run on,
+    but the shared slots went back when they gave up, so another tenant's large match still runs in time."""
+    from gateway.filters.matching import MATCH_THREADS
+
+    register_hook_type(_Slow)
+    big = INLINE_CHARS + 1
+    slow = build_pipeline(parse_config({"hooks": [{"type": "test-slow", "seconds": 1.0, "size": big}]}))
+    quick = build_pipeline(parse_config({"hooks": [{"type": "test-slow", "seconds": 0.05, "size": big}]}))
+    msgs = [{"role": "user", "content": "hi"}]
+    for i in range(MATCH_THREADS):
+        with pytest.raises(InvalidRequest):
+            await slow.check_prompt(f"attacker-{i}", msgs, budget=0.1)
+    assert await quick.check_prompt("victim", msgs, budget=0.5) is msgs
+    await trio.sleep(1.0)  # the abandoned threads end
+
+
 async def test_large_text_matched_off_the_event_loop():
     """A prompt over INLINE_CHARS is matched in a worker thread: a task on the loop keeps running."""
     p = pipeline_for(
