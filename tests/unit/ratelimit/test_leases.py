@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+from plugins.books import NullBook
 from plugins.redis_server import redis_port, start_redis, stop_redis
 
 from auth.principal import Principal
@@ -28,25 +29,6 @@ from ratelimit.resp import RedisClient
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server not installed (make sysdeps)"
 )
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    stop_redis(proc)
-
-
-class NullBook:
-    """Bills nowhere, has billed nothing (these tests check slots, not the ledger)."""
-
-    def record(self, row: dict[str, object]) -> None:
-        pass
-
-    async def tokens_on_day(
-        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
-    ) -> int:
-        return 0
 
 
 def fresh(**limits) -> Principal:

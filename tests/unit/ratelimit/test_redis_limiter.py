@@ -15,6 +15,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plugins.admission_burst import burst
+from plugins.books import NullBook
 from plugins.redis_server import start_redis
 
 from auth.principal import Principal
@@ -30,26 +31,6 @@ ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server not installed (make sysdeps)"
 )
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    proc.terminate()
-    proc.wait(5)
-
-
-class NullBook:
-    """A usage book that bills nowhere and has billed nothing (these tests check limits, not the ledger)."""
-
-    def record(self, row: dict[str, object]) -> None:
-        pass
-
-    async def tokens_on_day(
-        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
-    ) -> int:
-        return 0
 
 
 def principal(tag: str, **limits) -> Principal:
