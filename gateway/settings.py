@@ -24,13 +24,21 @@ import argparse
 import logging
 import tomllib
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
 
 from backend.__main__ import add_engine_args
-from gateway.backends.address import parse_backend_url
+from gateway.sections import (
+    SECTIONS,
+    BackendSettings,
+    HTTPSettings,
+    ObservabilitySettings,
+    Section,
+    Settings,
+    TenancySettings,
+)
 
 ENV_PREFIX = "LLM_GATEWAY_"
 DEPRECATED_ENV = {
@@ -45,118 +53,20 @@ SOURCES = (
     f"{ENV_PREFIX}CONFIG; tables [http], [backend], [engine], [tenancy], [observability]), the environment "
     f"variable {ENV_PREFIX}<NAME>, the flag."
 )
+__all__ = [
+    "SECTIONS",
+    "BackendSettings",
+    "HTTPSettings",
+    "ObservabilitySettings",
+    "Section",
+    "Settings",
+    "SettingsError",
+    "TenancySettings",
+    "configure_logging",
+    "engine_argv",
+    "load_settings",
+]
 _TRUTHY = {"yes": "true", "on": "true", "no": "false", "off": "false"}
-
-
-def _opt(description: str, **constraints: float) -> msgspec.Meta:
-    return msgspec.Meta(description=description, **constraints)
-
-
-class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Base of the option tables (an unknown key is an error)."""
-
-
-class HTTPSettings(Section):
-    """``[http]``: the listener and the HTTP-side limits."""
-
-    host: Annotated[str, _opt("address to listen on")] = "127.0.0.1"
-    port: Annotated[int, _opt("port to listen on", ge=0, le=65535)] = 8000
-    max_body_bytes: Annotated[int, _opt("largest request body in bytes (413 beyond)", ge=1)] = 4 * 1024 * 1024
-    sse_heartbeat: Annotated[float, _opt("seconds between ': ping' comments while waiting", gt=0)] = 5.0
-    drain_timeout: Annotated[float, _opt("seconds in-flight requests get on shutdown", ge=0)] = 30.0
-    thread_tokenize_chars: Annotated[
-        int, _opt("prompts longer than this (characters) are tokenized in a worker thread; 0: never", ge=0)
-    ] = 8192
-    served_model_name: Annotated[list[str], _opt("extra accepted model name")] = []
-    grammar_max_bytes: Annotated[int, _opt("largest grammar or JSON Schema in bytes (400 beyond)", ge=1)] = (
-        128 * 1024
-    )
-    grammar_timeout: Annotated[
-        float, _opt("seconds a grammar may take to compile and check (400 beyond)", gt=0)
-    ] = 2.0
-    body_timeout: Annotated[
-        float, _opt("seconds a request body may take to arrive (408 beyond; 0: none)", ge=0)
-    ] = 30.0
-    send_timeout: Annotated[
-        float, _opt("seconds a client may leave a response unread (then: dropped)", ge=0)
-    ] = 60.0
-    filter_budget: Annotated[float, _opt("seconds of content-filter matching per request stage", gt=0)] = 1.0
-    cors_origins: Annotated[list[str], _opt("origins allowed by CORS ('*': any)")] = msgspec.field(
-        default_factory=lambda: ["*"]
-    )
-
-
-class BackendSettings(Section):
-    """``[backend]``: which backends serve, and how the gateway talks to them."""
-
-    model: Annotated[str | None, _opt("model path (GGUF file or HF dir); default: the default model")] = None
-    tokenizer: Annotated[str | None, _opt("tokenizer/template source (default: the model)")] = None
-    backend_url: Annotated[
-        list[str], _opt("unix:PATH or tcp://HOST:PORT of a running backend; none is spawned then")
-    ] = []
-    backends: Annotated[int, _opt("backend processes to spawn (without --backend-url)", ge=1)] = 1
-    backend_wait: Annotated[float, _opt("seconds a request waits for a restarting backend", ge=0)] = 30.0
-    backend_startup_timeout: Annotated[float, _opt("seconds a spawned backend gets to be ready", gt=0)] = (
-        600.0
-    )
-    request_buffer: Annotated[int, _opt("backend outputs queued per request (a memory cap)", ge=1)] = 4096
-    max_failures: Annotated[
-        int, _opt("backend failures in a row (with backoff) before the model is unavailable (503)", ge=1)
-    ] = 5
-    max_backlog_tokens: Annotated[
-        int,
-        _opt(
-            "tokens generated but not yet read by the client, per choice, before the request is stopped", ge=1
-        ),
-    ] = 256
-
-    def __post_init__(self) -> None:
-        for url in self.backend_url:
-            parse_backend_url(url)  # ValueError: a clear message naming the URL
-
-
-class TenancySettings(Section):
-    """``[tenancy]``: API keys, tenants and shared rate limits."""
-
-    db: Annotated[str, _opt("tenancy database path (SQLite)")] = "./data/gateway.db"
-    redis_url: Annotated[str | None, _opt("Redis URL for rate limits shared by several gateways")] = None
-    admin_key: Annotated[str | None, _opt("admin bearer key (admin API off without one)")] = None
-
-
-class ObservabilitySettings(Section):
-    """``[observability]``: logs and metrics (docs/observability.md)."""
-
-    log_level: Annotated[str, _opt("DEBUG, INFO, WARNING or ERROR")] = "INFO"
-    access_log: Annotated[str, _opt("JSON access-log lines: '-' (stderr), a file path, or 'off'")] = "-"
-    log_content: Annotated[bool, _opt("DEBUG ONLY: prompt and output text in access-log lines")] = False
-    metrics_tenant_label: Annotated[
-        bool, _opt("tenant label on /metrics request counters (for a bounded set of tenants)")
-    ] = False
-
-    def __post_init__(self) -> None:
-        self.log_level = self.log_level.upper()
-        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
-
-
-class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Every option of the gateway. ``engine`` maps ``python -m backend`` option names (``num_kv_blocks``) to
-    their command-line text, or True for a flag; only the options set are there (the backend's defaults
-    apply to the rest)."""
-
-    http: HTTPSettings = msgspec.field(default_factory=HTTPSettings)
-    backend: BackendSettings = msgspec.field(default_factory=BackendSettings)
-    engine: dict[str, str | bool] = {}
-    tenancy: TenancySettings = msgspec.field(default_factory=TenancySettings)
-    observability: ObservabilitySettings = msgspec.field(default_factory=ObservabilitySettings)
-
-
-SECTIONS: dict[str, type[Section]] = {
-    "http": HTTPSettings,
-    "backend": BackendSettings,
-    "tenancy": TenancySettings,
-    "observability": ObservabilitySettings,
-}
 
 
 class SettingsError(ValueError):
