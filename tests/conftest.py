@@ -54,4 +54,4 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # Area plugins (tests/ is on sys.path through this rootdir conftest).
-pytest_plugins = ["plugins.gateway_server"]
+pytest_plugins = ["plugins.gateway_server", "plugins.llama_cpp_sdist"]
