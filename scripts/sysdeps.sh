@@ -3,10 +3,12 @@
 #   redis-server  shared rate limits across gateway processes (tests/unit/ratelimit/test_redis_limiter.py, tests/e2e/test_tenancy_e2e.py)
 #   chromium      the playground in a headless browser, driven by Playwright (tests/e2e/test_browser_playground.py)
 #   nginx-light   SSE through a buffering reverse proxy (tests/e2e/test_filters_http.py)
+#   postgresql    the shared tenancy store, change feed and ledger (tests/unit/auth, tests/cluster); the tests run
+#                 initdb/pg_ctl from /usr/lib/postgresql/*/bin themselves (the packaged cluster is not used)
 #
 # Works as root, or as a user with sudo (sudo may ask for a password once). Non-interactive (no debconf
 # prompts) and safe to run again: with everything present it prints one line and exits 0.
-# Exit status: 0 when all three are present afterwards; 1 when they are missing and cannot be installed
+# Exit status: 0 when all four are present afterwards; 1 when they are missing and cannot be installed
 # (not root and no sudo, or apt-get failed).
 set -euo pipefail
 
@@ -14,13 +16,14 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx-light)
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
 
 if [ ${#missing[@]} -eq 0 ]; then
-    echo "sysdeps: redis-server, chromium and nginx are installed (tests run Redis, headless Chromium and an nginx proxy)"
+    echo "sysdeps: redis-server, chromium, nginx and postgresql are installed (tests run Redis, PostgreSQL, headless Chromium and an nginx proxy)"
     exit 0
 fi
 
-echo "sysdeps: installing ${missing[*]} with apt-get (the tests run a real Redis, headless Chromium and an nginx SSE proxy)"
+echo "sysdeps: installing ${missing[*]} with apt-get (the tests run a real Redis, PostgreSQL, headless Chromium and an nginx SSE proxy)"
 
 if [ "$(id -u)" -eq 0 ]; then
     as_root=(env)
@@ -41,4 +44,5 @@ for exe in redis-server nginx; do
     command -v "$exe" >/dev/null 2>&1 || [ -x "/usr/sbin/$exe" ] || { echo "sysdeps: $exe still missing after apt-get" >&2; exit 1; }
 done
 [ -x /usr/bin/chromium ] || { echo "sysdeps: /usr/bin/chromium still missing after apt-get" >&2; exit 1; }
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || { echo "sysdeps: PostgreSQL's initdb still missing after apt-get" >&2; exit 1; }
 echo "sysdeps: done"

@@ -8,6 +8,7 @@ Area-specific fixtures live in ``tests/plugins/`` and are registered below.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -43,6 +44,8 @@ def _missing_system_packages() -> list[str]:
         missing.append("chromium")
     if not (shutil.which("nginx") or os.access("/usr/sbin/nginx", os.X_OK)):
         missing.append("nginx")
+    if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
+        missing.append("postgresql")
     return missing
 
 
@@ -54,4 +57,4 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # Area plugins (tests/ is on sys.path through this rootdir conftest).
-pytest_plugins = ["plugins.gateway_server", "plugins.llama_cpp_sdist"]
+pytest_plugins = ["plugins.gateway_server", "plugins.llama_cpp_sdist", "plugins.postgres_server"]
