@@ -51,9 +51,9 @@ class SharedStore(Protocol):
         """The value of ``--db``."""
         ...
 
-    def usage(self, request_ids: list[str]) -> list[dict]:
-        """The usage-ledger rows whose ``request_id`` is one of ``request_ids``, read straight from the
-        database (not through the gateways)."""
+    def usage(self, tenant_id: str) -> list[dict]:
+        """The usage-ledger rows of ``tenant_id``, oldest first, read straight from the database (not through
+        the gateways). A row's ``request_id`` is the response's ``id`` (``chatcmpl-...``)."""
         ...
 
     def stop(self) -> None:
@@ -77,15 +77,14 @@ class SqliteStore:
     def db_arg(self) -> str:
         return str(self.path)
 
-    def usage(self, request_ids: list[str]) -> list[dict]:
-        if not request_ids:
-            return []
+    def usage(self, tenant_id: str) -> list[dict]:
         con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5)
         con.row_factory = sqlite3.Row
         try:
-            marks = ",".join("?" * len(request_ids))
-            sql = f"SELECT * FROM usage WHERE request_id IN ({marks}) ORDER BY id"
-            return [dict(r) for r in con.execute(sql, request_ids)]
+            return [
+                dict(r)
+                for r in con.execute("SELECT * FROM usage WHERE tenant_id = ? ORDER BY id", [tenant_id])
+            ]
         finally:
             con.close()
 
@@ -254,12 +253,12 @@ class Cluster:
         assert r.status_code == 201, r.text
         return TenantKey(tid, r.json()["key"], r.json()["id"])
 
-    def usage(self, request_ids: list[str], *, at_least: int = 0, timeout: float = 10.0) -> list[dict]:
-        """The ledger rows of ``request_ids`` once there are ``at_least`` of them (after ``timeout`` seconds:
+    def usage(self, tenant_id: str, *, at_least: int = 0, timeout: float = 10.0) -> list[dict]:
+        """The ledger rows of ``tenant_id`` once there are ``at_least`` of them (after ``timeout`` seconds:
         those there are)."""
         deadline = time.monotonic() + timeout
         while True:
-            rows = self.store.usage(request_ids)
+            rows = self.store.usage(tenant_id)
             if len(rows) >= at_least or time.monotonic() > deadline:
                 return rows
             time.sleep(0.1)
