@@ -14,6 +14,12 @@ slot is freed, and one ledger row is queued; with Redis that runs cancel-shielde
 Entering raises :class:`~ratelimit.errors.RateLimitExceeded` (429) or
 :class:`~ratelimit.errors.LimiterUnavailable` (503, Redis did not answer; whatever it reserved is taken back).
 
+Failure policy (docs/tenancy.md "When Redis fails"): by default a store that does not answer is a 503 with
+``retry-after`` (fail closed: nothing is admitted past a limit). With ``fail_open=True`` such a request is
+admitted without limits instead: nothing reserved, no ``x-ratelimit-*`` headers, its ledger row written as
+usual; one warning per outage (when the first request is let in, and when the store answers again) and
+:attr:`Admission.fail_open_admitted` counts them. Only admission fails open: a lease clear is still a 503.
+
 With Redis the concurrency slots are leases that this process renews: run :meth:`Admission.run` in the nursery
 that owns the admission (``await nursery.start(admission.run)``); :meth:`Admission.aclose` stops it.
 """
@@ -32,12 +38,11 @@ from typing import Protocol
 import trio
 
 from .core import Dim, DimResult, build_dims, headers_for
-from .errors import LimiterUnavailable
+from .errors import LimiterUnavailable, StoreError
 from .local import LocalLimiter
 from .redis_limiter import RedisLimiter
 from .refusal import refusal
 from .reservation import Reservation, Subject
-from .resp import RedisError
 
 log = logging.getLogger("ratelimit.admission")
 
@@ -71,6 +76,11 @@ def _no_status(exc: BaseException) -> int:
     return 500
 
 
+def _why(exc: BaseException, timeout_s: float) -> str:
+    """One line for a log: the store's error, or the timeout that passed."""
+    return str(exc) if isinstance(exc, StoreError) else f"no reply within {timeout_s:g}s"
+
+
 class Admission:
     """Limits of one process: the limiter's state, the daily-quota seeds, the ledger rows.
 
@@ -79,6 +89,11 @@ class Admission:
         ledger: bills finished requests; seeds a daily quota the first time this process sees a day.
         error_status: the HTTP status billed for a block that ended by an exception (500 if not told).
         store_timeout_s: seconds one Redis round-trip may take before the request gets 503.
+        fail_open: when Redis does not answer, admit without limits instead of a 503 (see the module doc).
+
+    Attributes:
+        fail_open_admitted: requests admitted without limits because the store did not answer (a counter).
+        fail_open_outages: outages during which requests were admitted so (a counter).
     """
 
     def __init__(
@@ -88,18 +103,24 @@ class Admission:
         *,
         error_status: Callable[[BaseException], int] = _no_status,
         store_timeout_s: float = 5.0,
+        fail_open: bool = False,
     ) -> None:
         self.limiter = limiter
         self.ledger = ledger
         self.error_status = error_status
         self.store_timeout_s = store_timeout_s
+        self.fail_open = fail_open
+        self.fail_open_admitted = 0
+        self.fail_open_outages = 0
+        self._open_outage = False  # requests are being admitted without limits (fail-open, store down)
         self._day_start, self._day_text = -1.0, ""
         self._seeds: dict[str, int] = {}  # daily counter key -> tokens in the ledger when first seen
         self._seed_day = ""
         self._store_failed_at = -math.inf  # trio time of the last Redis call that failed
 
     async def start(self) -> None:
-        """Check that the limiter answers (Redis: ``PING``); raises ``OSError``/``RedisError`` if not."""
+        """Check that the limiter answers (Redis: ``PING``); raises :class:`StoreError` if not (also in
+        fail-open mode: a store that cannot be reached at start is taken for a configuration error)."""
         if isinstance(self.limiter, RedisLimiter):
             await self.limiter.ping()
 
@@ -162,16 +183,36 @@ class Admission:
                 self._seeds[d.key] = seed
             d.seed = seed
 
-    async def _acquire_shared(self, limiter: RedisLimiter, dims: list[Dim], member: str) -> list[DimResult]:
+    async def _acquire_shared(
+        self, limiter: RedisLimiter, dims: list[Dim], member: str
+    ) -> list[DimResult] | None:
+        """The results of a shared acquire; None: the store did not answer and ``fail_open`` admits the
+        request without limits (what the acquire may have reserved is taken back first)."""
         # one Lua script, shielded so that a cancellation cannot lose a reservation made on the server
         try:
             with trio.CancelScope(shield=True), trio.fail_after(self.store_timeout_s):
                 outcome = await limiter.acquire(dims, member)
-        except (OSError, RedisError, trio.TooSlowError) as e:
-            log.error("admission: rate-limit store unavailable: %s", type(e).__name__)
+        except (StoreError, trio.TooSlowError) as e:
             self._store_failed_at = trio.current_time()
+            why = _why(e, self.store_timeout_s)
+            if not self.fail_open:
+                log.error("admission: rate-limit store unavailable: %s", why)
             await self._undo(limiter, dims, member)
-            raise unavailable() from None
+            if not self.fail_open:
+                raise unavailable() from None
+            self.fail_open_admitted += 1
+            if not self._open_outage:
+                self._open_outage = True
+                self.fail_open_outages += 1
+                log.warning(
+                    "admission: rate-limit store unavailable (%s): admitting requests WITHOUT limits until it "
+                    "answers again (fail-open)",
+                    why,
+                )
+            return None
+        if self._open_outage:
+            self._open_outage = False
+            log.warning("admission: rate-limit store answers again: limits apply (fail-open outage over)")
         if not outcome.ok:
             raise refusal(outcome.results)
         return outcome.results
@@ -183,12 +224,13 @@ class Admission:
             try:
                 if await limiter.undo(dims, member):
                     log.warning("admission: took back a reservation whose reply was lost")
-            except (OSError, RedisError) as e:
-                log.error(
-                    "admission: could not take back a possibly-made reservation: %s (it expires with its "
-                    "window / lease)",
-                    type(e).__name__,
-                )
+            except StoreError as e:
+                if not self._open_outage:
+                    log.error(
+                        "admission: could not take back a possibly-made reservation: %s (it expires with its "
+                        "window / lease)",
+                        e,
+                    )
 
     async def reserve(
         self,
@@ -218,7 +260,11 @@ class Admission:
             if any(d.kind == "daily" for d in dims):
                 await self._seed_daily(dims, self.day(now)[0])
             if isinstance(self.limiter, RedisLimiter):
-                results = await self._acquire_shared(self.limiter, dims, member)
+                shared = await self._acquire_shared(self.limiter, dims, member)
+                if shared is None:  # fail-open: nothing reserved, nothing to true up
+                    dims = []
+                else:
+                    results = shared
             else:  # no checkpoint between check and reserve: atomic under Trio
                 outcome = self.limiter.acquire_now(dims, member)
                 if not outcome.ok:
@@ -245,13 +291,13 @@ class Admission:
             elif res.dims:
                 with trio.CancelScope(shield=True), trio.fail_after(RELEASE_TIMEOUT_S):
                     results = await self.limiter.release(res.dims, res.member, refunds)
-        except (OSError, RedisError, trio.TooSlowError) as e:
+        except (StoreError, trio.TooSlowError) as e:
             self._store_failed_at = trio.current_time()
             log.error(
                 "admission: true-up failed for tenant %s, the store did not answer: %s (the slot lapses with its "
                 "lease, the tokens stay charged for their window)",
                 res.subject.tenant_id,
-                type(e).__name__,
+                _why(e, RELEASE_TIMEOUT_S),
             )
         except Exception:
             log.exception("admission: true-up failed for tenant %s", res.subject.tenant_id)
@@ -295,9 +341,10 @@ class Admission:
         try:
             with trio.fail_after(min(PEEK_TIMEOUT_S, self.store_timeout_s)):
                 return headers_for(await self.limiter.peek(dims))
-        except (OSError, RedisError, trio.TooSlowError) as e:
+        except (StoreError, trio.TooSlowError) as e:
             log.warning(
-                "admission: rate-limit headers left out, the store did not answer: %s", type(e).__name__
+                "admission: rate-limit headers left out, the store did not answer: %s",
+                _why(e, min(PEEK_TIMEOUT_S, self.store_timeout_s)),
             )
             self._store_failed_at = trio.current_time()
             return {}
@@ -317,8 +364,8 @@ class Admission:
             try:
                 with trio.fail_after(self.store_timeout_s):
                     counts = await self.limiter.clear(keys)
-            except (OSError, RedisError, trio.TooSlowError) as e:
-                log.error("admission: rate-limit store unavailable: %s", type(e).__name__)
+            except (StoreError, trio.TooSlowError) as e:
+                log.error("admission: rate-limit store unavailable: %s", _why(e, self.store_timeout_s))
                 self._store_failed_at = trio.current_time()
                 raise unavailable() from None
         return counts[0], sum(counts[1:])

@@ -4,6 +4,15 @@ The gateway renders them as OpenAI error objects (``{"error": {"message", "type"
 https://platform.openai.com/docs/guides/rate-limits describes): the attributes below are that object's members
 plus the HTTP status and the response headers (``retry-after``, ``retry-after-ms``, ``x-ratelimit-*``,
 ``x-should-retry``).
+
+::
+
+    Exception
+     ├── AdmissionError            rendered: HTTP status, OpenAI error object, headers
+     │    ├── RateLimitExceeded    429 a limit or the daily quota
+     │    └── LimiterUnavailable   503 the shared store did not answer
+     └── StoreError                raised by the Redis limiter (never rendered): admission turns it into a
+                                   LimiterUnavailable, or admits without limits in fail-open mode
 """
 
 from __future__ import annotations
@@ -50,3 +59,9 @@ class LimiterUnavailable(AdmissionError):
     """503: the shared rate-limit store (Redis) did not answer in time; nothing stays reserved."""
 
     status = 503
+
+
+class StoreError(Exception):
+    """The shared rate-limit store (Redis) failed: no connection (refused, reset, DNS, TLS handshake, wrong
+    password), no reply within the command timeout, or an error reply. The message names the cause in one line
+    (never the password); the original exception is ``__cause__``."""

@@ -25,14 +25,17 @@ https://redis.io/docs/latest/develop/use/patterns/distributed-locks/ (expiring, 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 
 from .core import CONC_RETRY_S, Dim, DimResult, Outcome
-from .resp import RedisClient, RedisError
+from .errors import StoreError
+from .redis_client import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, redis_client, store_errors
 
 log = logging.getLogger("ratelimit.redis")
 
@@ -154,7 +157,6 @@ return out
 """
 
 SCRIPT = SCRIPT.replace("__CONC_RETRY_S__", repr(float(CONC_RETRY_S)))
-SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
 
 # KEYS: per scope its lease set, then its tombstone set (``<lease set>:cleared``); ARGV: ttl_s, then per scope
 # the number of members and the members. Every member not in the tombstone set gets expiry now + ttl_s, put back
@@ -186,7 +188,6 @@ for i = 1, #KEYS, 2 do
 end
 return cleared
 """
-RENEW_SHA = hashlib.sha1(RENEW_SCRIPT.encode()).hexdigest()
 
 # KEYS: per scope its lease set, then its tombstone set. Moves every member to the tombstone set (kept a day, so
 # the holders' renewals never bring them back) and deletes the lease set; returns per scope its live leases.
@@ -208,43 +209,65 @@ for i = 1, #KEYS, 2 do
 end
 return out
 """
-CLEAR_SHA = hashlib.sha1(CLEAR_SCRIPT.encode()).hexdigest()
 
 
 class RedisLimiter:
     """Limiter whose state lives in Redis (keys prefixed ``prefix``); every call is one script round-trip.
 
+    The connections live while :meth:`run` runs (it enters the coredis pool, and its nursery owns their
+    tasks): start it before the first call, ``await nursery.start(limiter.run)``; :meth:`aclose` ends it.
+
     Args:
-        url: ``redis://[:password@]host:port[/db]``.
+        url: ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL with an optional password or ACL user
+            (:mod:`ratelimit.redis_client`).
         prefix: key prefix in Redis.
         lease_s: seconds a concurrency lease lives without renewal (:data:`LEASE_TTL_S`); :meth:`run` renews
             this process's leases every ``lease_s / 4``.
+        connect_timeout_s, command_timeout_s: bounds of a new connection and of a reply (seconds).
 
-    Errors: :class:`ratelimit.resp.RedisError` or ``OSError`` when Redis is unreachable (admission answers 503).
+    Errors: :class:`~ratelimit.errors.StoreError` when Redis is unreachable, slow past the command timeout or
+    answers an error, and when :meth:`run` is not running (admission answers 503); ``ValueError`` for a bad
+    URL (at construction).
     """
 
     shared = True
 
-    def __init__(self, url: str, *, prefix: str = "gw:rl:", lease_s: float = LEASE_TTL_S) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "gw:rl:",
+        lease_s: float = LEASE_TTL_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        command_timeout_s: float = COMMAND_TIMEOUT_S,
+    ) -> None:
         if not lease_s > 0:
             raise ValueError("lease_s must be > 0")
-        self.client = RedisClient(url)
+        self.client = redis_client(
+            url, connect_timeout_s=connect_timeout_s, command_timeout_s=command_timeout_s
+        )
+        self.ping_timeout_s = connect_timeout_s + command_timeout_s
+        # EVALSHA, and on NOSCRIPT (a restarted or flushed Redis) SCRIPT LOAD and EVALSHA again
+        self._admit_script = self.client.register_script(SCRIPT)
+        self._renew_script = self.client.register_script(RENEW_SCRIPT)
+        self._clear_script = self.client.register_script(CLEAR_SCRIPT)
         self.prefix = prefix
         self.lease_s = float(lease_s)
         self.renew_every_s = self.lease_s / 4
         self._held: dict[str, set[str]] = {}  # Redis key of a lease set -> the members this process holds
         self._stop: trio.MemorySendChannel[None] | None = None
         self._renew_failing = False
+        self._connected = False  # the pool is entered (run's task, or connected())
         self._closed = False
 
-    async def _eval(self, script: str, sha: str, keys: list[str], argv: list[object]):
-        args = (len(keys), *keys, *argv)
-        try:
-            return await self.client.execute("EVALSHA", sha, *args)
-        except RedisError as e:
-            if "NOSCRIPT" not in str(e):
-                raise
-            return await self.client.execute("EVAL", script, *args)
+    async def _eval(self, script: Any, keys: list[str], argv: list[object]) -> Any:
+        """One script call; every failure is a :class:`StoreError`."""
+        if not self._connected:
+            raise StoreError(
+                "the Redis limiter is closed" if self._closed else "the Redis limiter is not running"
+            )
+        with store_errors():
+            return await script(keys=keys, args=argv)
 
     async def _run(
         self, mode: str, dims: list[Dim], member: str, costs: list[float]
@@ -255,7 +278,7 @@ class RedisLimiter:
             argv += [d.kind, d.limit, c, repr(float(d.window_s or 1.0)), d.seed, repr(float(d.ttl_s))]
         if mode != "peek":
             argv.append(self.prefix + "m:" + member)  # the acquire marker (see the script)
-        reply = await self._eval(SCRIPT, SHA, keys, argv)
+        reply = await self._eval(self._admit_script, keys, argv)
         ok = bool(int(reply[0]))
         results = []
         for i, d in enumerate(dims):
@@ -335,13 +358,13 @@ class RedisLimiter:
         if not keys:
             return []
         sets = [self.prefix + k for k in keys]
-        reply = await self._eval(CLEAR_SCRIPT, CLEAR_SHA, [x for k in sets for x in (k, k + ":cleared")], [])
+        reply = await self._eval(self._clear_script, [x for k in sets for x in (k, k + ":cleared")], [])
         return [int(n) for n in reply]
 
     async def renew(self) -> int:
         """Renew every lease this process holds to ``lease_s`` from now (Redis time), in one script call,
         putting back any that lapsed or was lost; a lease cleared by :meth:`clear` is dropped instead.
-        Returns how many it renewed. Raises ``OSError`` / ``RedisError``."""
+        Returns how many it renewed. Raises :class:`StoreError`."""
         held = [(key, sorted(members)) for key, members in self._held.items() if members]
         if not held:
             return 0
@@ -349,7 +372,7 @@ class RedisLimiter:
         for _, members in held:
             argv += [len(members), *members]
         keys = [x for key, _ in held for x in (key, key + ":cleared")]
-        cleared = set(await self._eval(RENEW_SCRIPT, RENEW_SHA, keys, argv))
+        cleared = set(await self._eval(self._renew_script, keys, argv))
         for key, members in held:
             gone = cleared.intersection(members)
             if gone:
@@ -359,15 +382,20 @@ class RedisLimiter:
         return sum(len(m) for _, m in held) - len(cleared)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The lease heartbeat: renew this process's leases every ``renew_every_s`` until :meth:`aclose`
-        closes its channel (or the task is cancelled). Start it in the nursery that owns the limiter:
-        ``await nursery.start(limiter.run)``. A renewal bounded by ``renew_every_s`` that fails is logged
-        (once per outage) and retried at the next tick; the leases lapse if Redis stays out of reach for
-        ``lease_s``."""
+        """The connections and the lease heartbeat: enter the coredis pool (its connections' tasks live in
+        this task's scope), then renew this process's leases every ``renew_every_s`` until :meth:`aclose`
+        closes its channel (or the task is cancelled); the connections close when it returns. Start it in the
+        nursery that owns the limiter: ``await nursery.start(limiter.run)``; calls made before it started, or
+        after it ended, raise :class:`StoreError`. Nothing is connected until the first call, so it starts
+        while Redis is down. A renewal bounded by ``renew_every_s`` that fails is logged (once per outage) and
+        retried at the next tick; the leases lapse if Redis stays out of reach for ``lease_s``."""
+        if self._closed:
+            task_status.started()
+            return
         send, receive = trio.open_memory_channel[None](0)
         self._stop = send
-        task_status.started()
-        async with receive:
+        async with self.connected(), receive:
+            task_status.started()
             while True:
                 with trio.move_on_after(self.renew_every_s):
                     try:
@@ -376,11 +404,23 @@ class RedisLimiter:
                         return
                 await self._renew_once()
 
+    @asynccontextmanager
+    async def connected(self) -> AsyncIterator[None]:
+        """The connections without the heartbeat (:meth:`run` uses it): ``async with limiter.connected():``
+        in the task that owns the limiter. The leases this process takes lapse after ``lease_s`` unless
+        :meth:`renew` is called (a one-off tool, a test of a holder that stopped renewing)."""
+        async with self.client:
+            self._connected = not self._closed
+            try:
+                yield
+            finally:
+                self._connected = False
+
     async def _renew_once(self) -> None:
         try:
             with trio.fail_after(self.renew_every_s):
                 await self.renew()
-        except (OSError, RedisError, trio.TooSlowError) as e:
+        except (StoreError, trio.TooSlowError) as e:
             if self._closed:
                 return
             if not self._renew_failing:
@@ -388,7 +428,7 @@ class RedisLimiter:
                     "rate limiter: cannot renew %d concurrency lease(s): %s (they lapse after %gs without "
                     "renewal)",
                     self.held,
-                    type(e).__name__,
+                    e if isinstance(e, StoreError) else "no reply in time",
                     self.lease_s,
                 )
             self._renew_failing = True
@@ -401,12 +441,23 @@ class RedisLimiter:
         return False
 
     async def ping(self) -> None:
-        """Raise ``OSError`` / ``RedisError`` unless the server answers ``PING``."""
-        await self.client.execute("PING")
+        """Raise :class:`StoreError` unless the server answers ``PING`` within the connect and command
+        timeouts (a wrong password, a TLS certificate that does not verify: the message says which). Before
+        :meth:`run` has started it opens the pool for this one call (the start-up check)."""
+        try:
+            with trio.fail_after(self.ping_timeout_s), store_errors():
+                if self._connected:
+                    await self.client.ping()
+                else:
+                    async with self.client:
+                        await self.client.ping()
+        except trio.TooSlowError:
+            raise StoreError(f"no answer to PING within {self.ping_timeout_s:g}s") from None
 
     async def aclose(self) -> None:
-        """Stop the heartbeat (its channel closes) and close the connections. Idempotent."""
+        """Stop the heartbeat (its channel closes): :meth:`run` returns and closes the connections. Calls made
+        after it raise :class:`StoreError`. Idempotent."""
         self._closed = True
+        self._connected = False
         if self._stop is not None:
             self._stop.close()
-        await self.client.aclose()

@@ -11,12 +11,12 @@ import shutil
 import signal
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
 from plugins.books import NullBook
-from plugins.redis_server import redis_port, start_redis, stop_redis
+from plugins.redis_server import raw_redis, restart_redis, running, start_redis, stop_redis
 
 from auth.principal import Principal
 from ratelimit.admission import Admission
@@ -24,7 +24,6 @@ from ratelimit.core import CONC_RETRY_S, Limits
 from ratelimit.errors import RateLimitExceeded
 from ratelimit.local import LocalLimiter
 from ratelimit.redis_limiter import LEASE_TTL_S, RedisLimiter
-from ratelimit.resp import RedisClient
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server not installed (make sysdeps)"
@@ -38,19 +37,6 @@ def fresh(**limits) -> Principal:
 
 def redis_admission(url: str, lease_s: float = LEASE_TTL_S) -> Admission:
     return Admission(RedisLimiter(url, lease_s=lease_s), NullBook())
-
-
-@asynccontextmanager
-async def running(*admissions: Admission) -> AsyncIterator[None]:
-    """The admissions' tasks (Redis: lease heartbeats) in a nursery; closing the admissions ends them."""
-    async with trio.open_nursery() as nursery:
-        for adm in admissions:
-            await nursery.start(adm.run)
-        try:
-            yield
-        finally:
-            for adm in admissions:
-                await adm.aclose()
 
 
 async def hold(adm: Admission, p: Principal, *, request_id: str | None = None):
@@ -67,19 +53,26 @@ async def refused(adm: Admission, p: Principal) -> RateLimitExceeded:
 async def test_default_lease_is_seconds_not_an_hour(redis_url):
     """A slot's lease in Redis expires within LEASE_TTL_S (<= 10 s) of the last renewal (it was 1 h)."""
     adm = Admission(RedisLimiter(redis_url), NullBook())
-    raw = RedisClient(redis_url)
-    try:
+    async with running(adm), raw_redis(redis_url) as raw:
         p = fresh(max_concurrent=2)
         res = await hold(adm, p)
-        now = float((await raw.execute("TIME"))[0])
-        members = await raw.execute("ZRANGE", f"gw:rl:t:{p.tenant_id}:conc", 0, -1, "WITHSCORES")
-        assert len(members) == 2
-        assert now < float(members[1]) <= now + 10.5
+        now = (await raw.time()).timestamp()
+        members = await raw.zrange(f"gw:rl:t:{p.tenant_id}:conc", 0, -1, withscores=True)
+        assert len(members) == 1
+        assert now < members[0].score <= now + 10.5
         assert LEASE_TTL_S <= 10
         await adm.close(res)
-    finally:
-        await raw.aclose()
-        await adm.aclose()
+
+
+@asynccontextmanager
+async def connected(*admissions: Admission) -> AsyncIterator[None]:
+    """The admissions' Redis connections without their heartbeats: the leases they take lapse (a holder that
+    stopped renewing, as after a crash), unless ``renew`` is called by hand."""
+    async with AsyncExitStack() as stack:
+        for adm in admissions:
+            assert isinstance(adm.limiter, RedisLimiter)
+            await stack.enter_async_context(adm.limiter.connected())
+        yield
 
 
 async def test_stopped_holder_lapses_live_holder_is_renewed(redis_url):
@@ -88,23 +81,19 @@ async def test_stopped_holder_lapses_live_holder_is_renewed(redis_url):
     lease = 0.8
     a, b, c = (redis_admission(redis_url, lease) for _ in range(3))
     p = fresh(max_concurrent=3)
-    try:
-        async with running(a):
-            held_a = [await hold(a, p), await hold(a, p)]
-            await hold(b, p)  # never released: B "dies" here
-            assert isinstance(a.limiter, RedisLimiter) and a.limiter.held == 2
-            e = await refused(c, p)
-            assert 0 < int(e.headers["retry-after-ms"]) <= math.ceil(lease * 1000)
-            await trio.sleep(lease * 2.5)
-            got = await hold(c, p)  # B's slot lapsed
-            await refused(c, p)  # A's two are still counted: exactly 3
-            for r in held_a:
-                await a.close(r)
-            assert a.limiter.held == 0
-            await c.close(got)
-    finally:
-        for adm in (b, c):
-            await adm.aclose()
+    async with running(a, c), connected(b):
+        held_a = [await hold(a, p), await hold(a, p)]
+        await hold(b, p)  # never released nor renewed: B "dies" here
+        assert isinstance(a.limiter, RedisLimiter) and a.limiter.held == 2
+        e = await refused(c, p)
+        assert 0 < int(e.headers["retry-after-ms"]) <= math.ceil(lease * 1000)
+        await trio.sleep(lease * 2.5)
+        got = await hold(c, p)  # B's slot lapsed
+        await refused(c, p)  # A's two are still counted: exactly 3
+        for r in held_a:
+            await a.close(r)
+        assert a.limiter.held == 0
+        await c.close(got)
 
 
 async def test_concurrency_retry_after_is_when_a_slot_can_free(redis_url):
@@ -114,7 +103,7 @@ async def test_concurrency_retry_after_is_when_a_slot_can_free(redis_url):
     lease = 0.6
     dead, probe = redis_admission(redis_url, lease), redis_admission(redis_url, lease)
     live = redis_admission(redis_url, 5.0)
-    try:
+    async with running(live, probe), connected(dead):
         p = fresh(max_concurrent=1)
         r = await hold(live, p)
         e = await refused(probe, p)
@@ -130,9 +119,6 @@ async def test_concurrency_retry_after_is_when_a_slot_can_free(redis_url):
         assert 0 < wait_ms <= 450, wait_ms  # ~0.4 s left of the lease, not the 1 s hint
         await trio.sleep(wait_ms / 1000 + 0.05)
         await probe.close(await hold(probe, q))
-    finally:
-        for adm in (dead, probe, live):
-            await adm.aclose()
 
 
 def _admissions(kind: str, url: str) -> tuple[Admission, Admission]:
@@ -150,25 +136,22 @@ async def test_clear_frees_slots_and_nothing_miscounts_after(redis_url, kind):
     holder, other = _admissions(kind, redis_url)
     p = fresh(max_concurrent=2)
     p = Principal(p.tenant_id, p.tenant_name, p.key_id, p.key_prefix, p.limits, Limits(max_concurrent=2))
-    try:
-        async with running(holder, other):
-            old = [await hold(holder, p), await hold(holder, p)]
-            await refused(other, p)
-            assert await other.clear_leases(p.tenant_id, [p.key_id]) == (2, 2)
-            assert await other.clear_leases(p.tenant_id, [p.key_id]) == (0, 0)
-            new = [await hold(other, p), await hold(other, p)]
-            await trio.sleep(1.5)  # a lease and more: the holder renewed what it holds (Redis)
-            await refused(other, p)  # the two new ones count, the cleared ones did not come back
-            if isinstance(holder.limiter, RedisLimiter):
-                assert holder.limiter.held == 0  # the renewal told the holder they were cleared
-            for r in old:
-                await holder.close(r)
-            await refused(other, p)  # the old releases freed nothing of the new ones
-            for r in new:
-                await other.close(r)
-            await other.close(await hold(other, p))
-    finally:
-        await other.aclose()
+    async with running(holder, other):
+        old = [await hold(holder, p), await hold(holder, p)]
+        await refused(other, p)
+        assert await other.clear_leases(p.tenant_id, [p.key_id]) == (2, 2)
+        assert await other.clear_leases(p.tenant_id, [p.key_id]) == (0, 0)
+        new = [await hold(other, p), await hold(other, p)]
+        await trio.sleep(1.5)  # a lease and more: the holder renewed what it holds (Redis)
+        await refused(other, p)  # the two new ones count, the cleared ones did not come back
+        if isinstance(holder.limiter, RedisLimiter):
+            assert holder.limiter.held == 0  # the renewal told the holder they were cleared
+        for r in old:
+            await holder.close(r)
+        await refused(other, p)  # the old releases freed nothing of the new ones
+        for r in new:
+            await other.close(r)
+        await other.close(await hold(other, p))
 
 
 async def test_renewal_puts_back_a_lapsed_lease_of_a_running_request(redis_url):
@@ -177,7 +160,7 @@ async def test_renewal_puts_back_a_lapsed_lease_of_a_running_request(redis_url):
     tenant run over its limit until that request ends."""
     holder, other = redis_admission(redis_url, 0.5), redis_admission(redis_url, 5.0)
     p = fresh(max_concurrent=2)
-    try:
+    async with connected(holder), running(other):
         stalled = await hold(holder, p)  # no heartbeat running: the lease lapses
         await trio.sleep(0.7)
         admitted = [await hold(other, p), await hold(other, p)]  # 3 run now, 2 counted
@@ -187,9 +170,6 @@ async def test_renewal_puts_back_a_lapsed_lease_of_a_running_request(redis_url):
         await holder.close(stalled)
         await other.close(await hold(other, p))
         await other.close(admitted.pop())
-    finally:
-        await holder.aclose()
-        await other.aclose()
 
 
 async def test_leases_lost_in_a_redis_restart_are_put_back(tmp_path):
@@ -201,8 +181,7 @@ async def test_leases_lost_in_a_redis_restart_are_put_back(tmp_path):
     try:
         async with running(holder, other):
             held = [await hold(holder, p), await hold(holder, p)]
-            stop_redis(proc)
-            proc, _ = start_redis(tmp_path, port=redis_port(url))
+            proc = await trio.to_thread.run_sync(restart_redis, proc, tmp_path, url)
             await trio.sleep(0.8 / 4 + 0.3)  # one renewal and a margin
             await refused(other, p)
             for r in held:
@@ -218,7 +197,7 @@ async def test_reused_request_id_takes_a_slot_of_its_own(redis_url, kind):
     is refused), and the first one's release does not free the second's."""
     one, two = _admissions(kind, redis_url)
     p = fresh(max_concurrent=2)
-    try:
+    async with running(one, two):
         first = await hold(one, p, request_id="same-id")
         second = await hold(two, p, request_id="same-id")
         with pytest.raises(RateLimitExceeded):
@@ -229,9 +208,6 @@ async def test_reused_request_id_takes_a_slot_of_its_own(redis_url, kind):
             await hold(one, p, request_id="same-id")
         await two.close(second)
         await two.close(third)
-    finally:
-        await one.aclose()
-        await two.aclose()
 
 
 async def test_stalled_redis_does_not_hang_the_rate_limit_headers(tmp_path):
@@ -241,36 +217,37 @@ async def test_stalled_redis_does_not_hang_the_rate_limit_headers(tmp_path):
     proc, url = start_redis(tmp_path)
     adm = redis_admission(url)
     try:
-        p = fresh(rpm=100)
-        assert (await adm.peek_headers(p))["x-ratelimit-limit-requests"] == "100"
-        proc.send_signal(signal.SIGSTOP)
-        t0 = trio.current_time()
-        with trio.fail_after(5):
-            assert await adm.peek_headers(p) == {}
-            assert await adm.peek_headers(p) == {}  # the second one does not wait at all
-        assert trio.current_time() - t0 < 2.0
+        async with running(adm):
+            p = fresh(rpm=100)
+            assert (await adm.peek_headers(p))["x-ratelimit-limit-requests"] == "100"
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = trio.current_time()
+                with trio.fail_after(5):
+                    assert await adm.peek_headers(p) == {}
+                    assert await adm.peek_headers(p) == {}  # the second one does not wait at all
+                assert trio.current_time() - t0 < 2.0
+            finally:
+                proc.send_signal(signal.SIGCONT)
     finally:
-        proc.send_signal(signal.SIGCONT)
-        await adm.aclose()
         stop_redis(proc)
 
 
 async def test_first_request_after_a_redis_restart_succeeds(tmp_path):
-    """Pooled connections to a Redis that restarted are dropped before use, so the first admission after it
-    is back is not a false 503."""
+    """Connections to a Redis that restarted leave the pool when the server closes them, so the first
+    admissions after it is back are not false 503s (no reconnect by hand, no restart of the process)."""
     proc, url = start_redis(tmp_path)
     adm = redis_admission(url)
     try:
-        p = fresh(rpm=100, max_concurrent=4)
-        async with trio.open_nursery() as nursery:  # several pooled connections
+        async with running(adm):
+            p = fresh(rpm=100, max_concurrent=4)
+            async with trio.open_nursery() as nursery:  # several requests on the pooled connection(s)
+                for _ in range(4):
+                    nursery.start_soon(_admit_once, adm, p, 0.1)
+            proc = await trio.to_thread.run_sync(restart_redis, proc, tmp_path, url)
             for _ in range(4):
-                nursery.start_soon(_admit_once, adm, p, 0.1)
-        stop_redis(proc)
-        proc, _ = start_redis(tmp_path, port=redis_port(url))
-        for _ in range(4):
-            await _admit_once(adm, p, 0.0)
+                await _admit_once(adm, p, 0.0)
     finally:
-        await adm.aclose()
         stop_redis(proc)
 
 
@@ -312,7 +289,7 @@ async def refused_cost(adm: Admission, p: Principal, cost: int) -> RateLimitExce
 async def test_bucket_retry_after_is_honest_with_redis(redis_url):
     """rpm with Redis: the request refused with retry-after-ms passes after waiting that long."""
     adm = redis_admission(redis_url)
-    try:
+    async with running(adm):
         p = fresh(rpm=4, window_s=1.0)
         for _ in range(4):
             await adm.close(await hold(adm, p))
@@ -321,24 +298,19 @@ async def test_bucket_retry_after_is_honest_with_redis(redis_url):
         assert 0 < wait_ms <= 250
         await trio.sleep(wait_ms / 1000 + 0.02)
         await adm.close(await hold(adm, p))
-    finally:
-        await adm.aclose()
 
 
 async def test_heartbeat_stops_when_the_limiter_closes(redis_url):
     """The heartbeat task ends when aclose closes its channel (no cancellation needed), and renews meanwhile."""
     adm = redis_admission(redis_url, 0.4)
-    raw = RedisClient(redis_url)
     p = fresh(max_concurrent=1)
-    try:
+    async with raw_redis(redis_url) as raw:
         with trio.fail_after(5):
             async with running(adm):
                 r = await hold(adm, p)
                 key = f"gw:rl:t:{p.tenant_id}:conc"
-                first = float((await raw.execute("ZRANGE", key, 0, 0, "WITHSCORES"))[1])
+                first = (await raw.zrange(key, 0, 0, withscores=True))[0].score
                 await trio.sleep(0.5)
-                renewed = float((await raw.execute("ZRANGE", key, 0, 0, "WITHSCORES"))[1])
+                renewed = (await raw.zrange(key, 0, 0, withscores=True))[0].score
                 assert renewed > first
                 await adm.close(r)
-    finally:
-        await raw.aclose()

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plugins.admission_burst import burst
 from plugins.books import NullBook
-from plugins.redis_server import start_redis
+from plugins.redis_server import raw_redis, running, start_redis
 
 from auth.principal import Principal
 from ratelimit.admission import Admission
@@ -24,7 +24,6 @@ from ratelimit.core import Dim, Limits
 from ratelimit.errors import LimiterUnavailable, RateLimitExceeded
 from ratelimit.local import LocalLimiter
 from ratelimit.redis_limiter import RedisLimiter
-from ratelimit.resp import RedisClient
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -48,7 +47,7 @@ def shared(redis_url: str, **kw) -> Admission:
 async def test_redis_exact_rpm_tpm_concurrency(redis_url):
     adm = shared(redis_url)
     await adm.start()
-    try:
+    async with running(adm):
         p = fresh(rpm=10, window_s=3600)
         ok, errs = await burst(adm, p, 50)
         assert len(ok) == 10 and len(errs) == 40
@@ -89,8 +88,6 @@ async def test_redis_exact_rpm_tpm_concurrency(redis_url):
             async with adm.admit(p, prompt_tokens=10, max_tokens=10):
                 pass
         assert ei.value.code == "insufficient_quota"
-    finally:
-        await adm.aclose()
 
 
 CHILD = r"""
@@ -110,6 +107,13 @@ class NullBook:
 async def main(redis_url, tags, start_at):
     out = {}
     adm = Admission(RedisLimiter(redis_url), NullBook())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(adm.run)
+        await admit_all(adm, tags, start_at, out)
+        await adm.aclose()
+    print(json.dumps(out))
+
+async def admit_all(adm, tags, start_at, out):
     limits = {"rpm": Limits(rpm=10, window_s=3600), "tpm": Limits(tpm=1000, window_s=3600),
               "conc": Limits(max_concurrent=4)}
     ps = {name: Principal(f"tn_{tag}", tag, f"key_{tag}", "sk-gw-AbCd", limits[name]) for name, tag in tags.items()}
@@ -132,8 +136,6 @@ async def main(redis_url, tags, start_at):
             for _ in range(n):
                 nursery.start_soon(one)
         out[name] = count
-    await adm.aclose()
-    print(json.dumps(out))
 
 trio.run(main, sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]))
 """
@@ -167,23 +169,23 @@ async def test_redis_down_is_503_not_a_hang(tmp_path):
     try:
         adm = shared(url)
         await adm.start()
-        p = fresh(rpm=5)
-        async with adm.admit(p, prompt_tokens=1, max_tokens=1):
-            pass
-        proc.terminate()
-        proc.wait(5)
-        with trio.fail_after(10):
-            with pytest.raises(LimiterUnavailable) as ei:
-                async with adm.admit(p, prompt_tokens=1, max_tokens=1):
-                    pass
-        e = ei.value
-        assert (e.status, e.type, e.code, e.headers) == (
-            503,
-            "server_error",
-            "rate_limiter_unavailable",
-            {"retry-after": "1"},
-        )
-        await adm.aclose()
+        async with running(adm):
+            p = fresh(rpm=5)
+            async with adm.admit(p, prompt_tokens=1, max_tokens=1):
+                pass
+            proc.terminate()
+            proc.wait(5)
+            with trio.fail_after(10):
+                with pytest.raises(LimiterUnavailable) as ei:
+                    async with adm.admit(p, prompt_tokens=1, max_tokens=1):
+                        pass
+            e = ei.value
+            assert (e.status, e.type, e.code, e.headers) == (
+                503,
+                "server_error",
+                "rate_limiter_unavailable",
+                {"retry-after": "1"},
+            )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -217,7 +219,8 @@ def test_redis_script_matches_local_model(redis_url, ops, limits):
     async def main():
         local, remote = LocalLimiter(), RedisLimiter(redis_url)
         held: list[tuple[str, int]] = []
-        try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(remote.run)
             for i, (op, cost, used) in enumerate(ops):
                 if op == "acq":
                     a = local.acquire_now(dims(cost), f"m{i}")
@@ -237,7 +240,6 @@ def test_redis_script_matches_local_model(redis_url, ops, limits):
                     rb = await remote.release(ds, m, refunds)
                     for x, y in zip(ra, rb):
                         assert abs(x.remaining - y.remaining) < 0.01, (x, y)
-        finally:
             await remote.aclose()
 
     trio.run(main)
@@ -256,12 +258,15 @@ async def test_lost_acquire_reply_is_taken_back(redis_url):
     the window); an undo of an acquire that never ran refunds nothing."""
     adm = shared(redis_url, store_timeout_s=0.5)
     p = fresh(rpm=4, tpm=1000, max_concurrent=1, window_s=3600)
-    async with adm.admit(p, prompt_tokens=1, max_tokens=1) as r:  # also opens the pooled connection
-        r.finish(completion_tokens=1)
-    admin = RedisClient(redis_url)
-    try:
+    async with running(adm), raw_redis(redis_url) as admin:
+        async with adm.admit(p, prompt_tokens=1, max_tokens=1) as r:  # also opens the pooled connection
+            r.finish(completion_tokens=1)
+
+        async def busy() -> None:
+            await admin.eval(BUSY_2S)
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(admin.execute, "EVAL", BUSY_2S, 0)
+            nursery.start_soon(busy)
             await trio.sleep(0.2)  # the busy script is running: Redis reads nothing until it ends
             with pytest.raises(LimiterUnavailable):
                 async with adm.admit(p, prompt_tokens=100, max_tokens=100):
@@ -274,6 +279,3 @@ async def test_lost_acquire_reply_is_taken_back(redis_url):
         assert isinstance(adm.limiter, RedisLimiter)
         assert await adm.limiter.undo(adm.dims(p, 10, time.time()), "never-acquired") is False
         assert (await adm.peek_headers(p))["x-ratelimit-remaining-requests"] == "2"
-    finally:
-        await admin.aclose()
-        await adm.aclose()
