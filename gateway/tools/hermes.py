@@ -27,7 +27,8 @@ import json
 import re
 from typing import Any
 
-from gateway.errors import InvalidRequest
+from gateway.tools.grammar import function_rules
+from gateway.tools.history import dump_call, rewrite_history
 from gateway.tools.parser import (
     JsonValueEnd,
     MarkerFinder,
@@ -38,8 +39,7 @@ from gateway.tools.parser import (
     partial_suffix,
     register_format,
 )
-from gateway.tools.spec import FunctionTool, ToolPlan, relocate_refs
-from templating.chat_template import TEXT_PART_SEPARATOR
+from gateway.tools.spec import ToolPlan
 
 __all__ = ["HermesFormat", "HermesParser", "CALL_START", "CALL_END"]
 
@@ -63,69 +63,8 @@ For each function call, return a JSON object with the function name and argument
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
 
-# How arguments are written inside the grammar: json.dumps's default separators, no free whitespace.
-_JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 # Free text that never contains a call marker (llguidance's `&` and `~` regex operators).
 _TEXT = "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/"
-
-
-def _call_schema(tool: FunctionTool) -> dict[str, Any]:
-    """JSON Schema of one call object; unsupported keywords are ignored unless the tool is strict."""
-    params = relocate_refs(tool.parameters, "#/properties/arguments")
-    if "type" not in params:
-        params = {"type": "object", **params}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": params},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        "x-guidance": {**_JSON_STYLE, "lenient": not tool.strict},
-    }
-
-
-def _signature(tool: FunctionTool) -> dict[str, Any]:
-    desc = {"description": tool.description} if tool.description is not None else {}
-    return {"name": tool.name, **desc, "parameters": tool.parameters}
-
-
-def _text(content: Any) -> str:
-    """A message's content as text: None -> "", text parts joined as ``normalize_messages`` joins them."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        return TEXT_PART_SEPARATOR.join(p for p in parts if isinstance(p, str))
-    return str(content)
-
-
-def _call_block(call: Any, param: str) -> str:
-    """One history tool call ``{"function": {"name", "arguments"}}`` as a ``<tool_call>`` block."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise InvalidRequest(
-            f"Invalid value for '{param}': expected an object with 'function': "
-            "{'name': string, 'arguments': string}.",
-            param=param,
-            code="invalid_value",
-        )
-    raw = fn.get("arguments")
-    args: Any = {} if raw is None else raw
-    if isinstance(raw, str):
-        try:
-            args = json.loads(raw)
-        except (ValueError, RecursionError):  # not JSON, or nested too deeply to decode
-            args = raw  # rendered as the JSON string it is
-    try:
-        body = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
-    except RecursionError:  # decoded, but too deep to encode again from here
-        if not isinstance(raw, str):
-            raise InvalidRequest(
-                f"Invalid value for '{param}.function.arguments': nested too deeply.",
-                param=f"{param}.function.arguments",
-                code="invalid_value",
-            ) from None
-        body = json.dumps({"name": fn["name"], "arguments": raw}, ensure_ascii=False)
-    return f"{CALL_START}\n{body}\n{CALL_END}"
 
 
 class HermesFormat:
@@ -138,10 +77,7 @@ class HermesFormat:
         """The ``# Tools`` system text; "" for mode ``none`` (the tools are not shown at all)."""
         if plan.mode == "none":
             return ""
-        tools = "\n".join(
-            json.dumps({"type": "function", "function": _signature(t)}, ensure_ascii=False)
-            for t in plan.tools
-        )
+        tools = "\n".join(json.dumps(t.signature(), ensure_ascii=False) for t in plan.tools)
         text = _PREAMBLE.format(how="one or more functions" if plan.parallel else "one function", tools=tools)
         if plan.mode == "named":
             return f'{text}\n\nYou must call the function "{plan.named}" now.'
@@ -169,8 +105,7 @@ class HermesFormat:
         if plan.mode != "auto" or more:
             lines.append('call: "<tool_call>" body')
         lines.append('body: "\\n" fn "\\n</tool_call>"')
-        lines.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))))
-        lines += [f"fn_{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
+        lines += function_rules(tools)
         return "\n".join(lines) + "\n"
 
     def parser(self, plan: ToolPlan) -> HermesParser:
@@ -179,61 +114,32 @@ class HermesFormat:
         return HermesParser()
 
     def render_history(self, messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
-        """New message dicts with tool calls and results as text, the preamble in the system turn.
+        """New message dicts with tool calls and results as text, the preamble in the system turn
+        (``gateway.tools.history.rewrite_history``).
 
         ``messages`` are OpenAI messages (as ``normalize_messages`` returns them). An assistant message's
-        ``tool_calls`` (or legacy ``function_call``) are removed and its content becomes the content (if
-        any) and the ``<tool_call>`` blocks, joined by ``"\\n"``; history arguments are parsed from their JSON
-        string (kept as a JSON string if they do not parse, or are nested too deeply to parse). A ``tool``
-        (or legacy ``function``) message becomes ``<tool_response>\\n{content}\\n</tool_response>`` in a
-        ``user`` message; consecutive results share one. The preamble (when ``plan`` has one) is appended
-        to the first system message after a blank line, or is a new first system message.
+        ``tool_calls`` (or legacy ``function_call``) become ``<tool_call>`` blocks after its content, joined
+        by ``"\\n"``; a ``tool`` (or legacy ``function``) message becomes
+        ``<tool_response>\\n{content}\\n</tool_response>`` in a ``user`` message; consecutive results share
+        one.
 
         Raises:
             InvalidRequest: a tool call without a ``function`` object naming a string ``name``
                 (param ``messages[i].tool_calls[j]`` / ``messages[i].function_call``); non-string
                 ``arguments`` nested too deeply to encode (``...function.arguments``).
         """
-        out: list[dict[str, Any]] = []
-        in_results = False
-        for i, m in enumerate(messages):
-            role = m.get("role")
-            if role in ("tool", "function"):
-                block = f"{_RESPONSE_START}\n{_text(m.get('content'))}\n{_RESPONSE_END}"
-                if in_results:
-                    out[-1]["content"] += "\n" + block
-                else:
-                    out.append({"role": "user", "content": block})
-                in_results = True
-                continue
-            in_results = False
-            calls = m.get("tool_calls")
-            legacy = m.get("function_call")
-            if role != "assistant" or not (calls or legacy):
-                out.append(dict(m))
-                continue
-            if calls:
-                if not isinstance(calls, list):
-                    raise InvalidRequest(
-                        f"Invalid type for 'messages[{i}].tool_calls': expected an array of tool calls.",
-                        param=f"messages[{i}].tool_calls",
-                        code="invalid_type",
-                    )
-                blocks = [_call_block(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
-            else:
-                blocks = [_call_block({"function": legacy}, f"messages[{i}].function_call")]
-            text = _text(m.get("content"))
-            new = {k: v for k, v in m.items() if k not in ("tool_calls", "function_call")}
-            new["content"] = "\n".join(([text] if text else []) + blocks)
-            out.append(new)
-        pre = self.preamble(plan) if plan is not None else ""
-        if pre:
-            if out and out[0].get("role") in ("system", "developer"):
-                head = _text(out[0].get("content"))
-                out[0] = {**out[0], "content": f"{head}\n\n{pre}" if head else pre}
-            else:
-                out.insert(0, {"role": "system", "content": pre})
-        return out
+        return rewrite_history(
+            messages,
+            self.preamble(plan) if plan is not None else "",
+            calls_text=lambda calls: "\n".join(
+                f"{CALL_START}\n{dump_call(c, param, _call_object)}\n{CALL_END}" for c, param in calls
+            ),
+            result_text=lambda text: f"{_RESPONSE_START}\n{text}\n{_RESPONSE_END}",
+        )
+
+
+def _call_object(name: str, args: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": args}
 
 
 _W = r"[ \t\n\r]*"

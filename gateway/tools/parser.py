@@ -6,7 +6,8 @@ and function ``name`` (``arguments`` ``""``), then grows by ``arguments`` fragme
 final ``arguments`` string. Call ids are ``"call_"`` + 24 random alphanumerics, as OpenAI's.
 
 A ``ToolFormat`` is one model family's way of writing calls (Hermes ``<tool_call>`` blocks in
-``gateway.tools.hermes``). Formats register themselves with ``register_format`` when their module is
+``gateway.tools.hermes``, Llama 3 JSON in ``gateway.tools.llama3``, Mistral ``[TOOL_CALLS]`` in
+``gateway.tools.mistral``). Formats register themselves with ``register_format`` when their module is
 imported (``gateway.tools`` imports them all), and ``tool_format`` picks one for a chat template.
 
 Nothing here raises: a parser reports malformed output through ``ToolParser.incomplete``.
@@ -85,7 +86,7 @@ class ToolParser(Protocol):
 
 
 class ToolFormat(Protocol):
-    """A model family's tool-call format (Hermes here; Llama 3 / Mistral formats plug in the same way)."""
+    """A model family's tool-call format (Hermes, Llama 3, Mistral)."""
 
     name: str
 
@@ -115,14 +116,23 @@ def register_format(fmt: ToolFormat) -> None:
 
 
 def tool_format(template_source: str | None) -> ToolFormat:
-    """The tool-call format for a model whose chat template is ``template_source`` (None: no template).
+    """The tool-call format for a model whose chat template is ``template_source`` (None: no template),
+    chosen by what the template writes for an assistant's call (checked in this order):
 
-    Only Hermes exists, so every template gets it. Another family's format is a ``ToolFormat`` in its own
-    module that calls ``register_format`` on import (and is imported by ``gateway/tools/__init__.py``);
-    this function then picks it by a marker its template writes (``"[TOOL_CALLS]"`` for Mistral,
-    ``"<|python_tag|>"`` for Llama 3), falling back to Hermes.
+    1. ``"[TOOL_CALLS]"`` -> ``mistral`` (Mistral 7B v0.3, Nemo, Small, Devstral, Ministral);
+    2. ``"<tool_call>"`` -> ``hermes`` (Qwen2/2.5/3, Hermes 2/3 even on Llama 3, SmolLM3, Granite 4...);
+    3. ``"<|start_header_id|>"`` and ``'"parameters"'`` -> ``llama3`` (Llama 3.1/3.2/3.3 Instruct);
+    4. anything else, or no template -> ``hermes`` (the gateway writes the tools into the prompt itself when
+       the template does not render them).
+
+    The template is the model's own (GGUF ``tokenizer.chat_template``, ``chat_template.jinja`` or
+    ``tokenizer_config.json``), so this is the choice by model metadata; the result is in ``docs/tools.md``.
     """
-    del template_source  # one format for now
+    src = template_source or ""
+    if "[TOOL_CALLS]" in src:
+        return _FORMATS["mistral"]
+    if "<tool_call>" not in src and "<|start_header_id|>" in src and '"parameters"' in src:
+        return _FORMATS["llama3"]
     return _FORMATS["hermes"]
 
 

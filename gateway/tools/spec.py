@@ -70,6 +70,12 @@ class FunctionTool(msgspec.Struct, frozen=True, kw_only=True):
     parameters: dict[str, Any]
     strict: bool = False
 
+    def signature(self) -> dict[str, Any]:
+        """The OpenAI ``tools[]`` entry the prompt shows: ``{"type": "function", "function": {"name",
+        "description"?, "parameters"}}``."""
+        desc = {"description": self.description} if self.description is not None else {}
+        return {"type": "function", "function": {"name": self.name, **desc, "parameters": self.parameters}}
+
 
 class ToolPlan(msgspec.Struct, frozen=True, kw_only=True):
     """What a request asks of tool calling.
