@@ -2,13 +2,17 @@
 
 Sources followed:
 
-* Hugging Face chat templating (``transformers`` ``apply_chat_template`` / ``utils/chat_template_utils.py``):
-  a sandboxed Jinja2 environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``,
-  ``loopcontrols``), globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that does not
-  escape HTML or non-ASCII, the context ``messages``, ``tools``, ``add_generation_prompt`` and the
-  tokenizer's ``bos_token``/``eos_token``; ``continue_final_message`` cuts the rendered prompt right after the
-  final message's content (trailing whitespace stripped), and is an error together with
+* Hugging Face chat templating (``transformers`` ``apply_chat_template`` / ``utils/chat_template_utils.py``,
+  checked against 5.24 on the 70 templates llama.cpp ships: ``tests/unit/templating/test_template_corpus.py``):
+  the sandboxed environment and its helpers are ``templating.jinja_env``; the context is ``messages`` (keys
+  whose value is null dropped; ``reasoning_content``/``thinking``/``reasoning`` aliased to each other),
+  ``tools`` (JSON-schema dicts, or None), ``documents`` (None unless given), ``add_generation_prompt`` and
+  the tokenizer's ``bos_token``/``eos_token``/``unk_token``/``pad_token`` (those it has);
+  ``continue_final_message`` cuts the rendered prompt right after the final message's content (its
+  trailing whitespace kept where the template keeps it, else stripped), and is an error together with
   ``add_generation_prompt``.
+* vLLM: an assistant's ``tool_calls[].function.arguments`` given as a JSON-object string (OpenAI's wire
+  form) reaches the template as that object (HF's convention: templates call ``arguments.items()``).
 * OpenAI Chat Completions API reference (``messages[].content`` is a string, null for an assistant with
   ``tool_calls``, or an array of content parts).
 
@@ -42,16 +46,10 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from typing import Any
 
-import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from templating.errors import InvalidConversation, TemplateRejected
+from templating.jinja_env import RENDER_ERRORS, TemplateRaised, compile_template, describe_failure
 from templating.tokenizer import TextTokenizer
 
 __all__ = ["ChatTemplate", "ChatPrompt", "normalize_messages", "TEXT_PART_SEPARATOR"]
@@ -80,52 +78,6 @@ class ChatPrompt:
 
     text: str
     ids: list[int]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Jinja environment (HF semantics)
-# ---------------------------------------------------------------------------------------------------
-
-
-class _TemplateRaised(Exception):
-    """Raised by ``raise_exception`` inside a template."""
-
-
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(str(message))
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
-) -> str:
-    # HF: "We override the built-in tojson filter because Jinja's default filter escapes HTML characters".
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _GenerationTag(Extension):
-    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker): renders its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):  # type: ignore[override]
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
-
-
-@lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,6 +245,42 @@ class _Neutralizer:
 # ---------------------------------------------------------------------------------------------------
 
 
+#: Names a message's reasoning may come under; HF fills ``reasoning_content`` (the one templates read) and
+#: ``thinking`` (gpt-oss templates) from the first one present (``_alias_reasoning_fields``).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _tool_call_arguments(call: Any) -> Any:
+    """A tool call with ``function.arguments`` given as a JSON-object string (OpenAI's wire form) turned into
+    that object (the form HF templates read: ``arguments.items()``, ``arguments | tojson``; vLLM does the
+    same). Any other value, or a string that is not a JSON object, is kept as given."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}}
+
+
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A normalized message as HF hands it to the template: keys whose value is None dropped
+    (``_normalize_chat_messages``: templates test a missing key, not a null one), reasoning aliased
+    (``_alias_reasoning_fields``), tool-call arguments as objects (``_tool_call_arguments``). A new dict;
+    ``m`` is not changed."""
+    out = {k: v for k, v in m.items() if v is not None}
+    reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_tool_call_arguments(c) for c in out["tool_calls"]]
+    return out
+
+
 class ChatTemplate:
     """The model's chat template bound to its tokenizer. Build once at startup; ``render`` per request.
 
@@ -311,14 +299,25 @@ class ChatTemplate:
             raise ValueError("the model has no chat template")
         self.tokenizer = tokenizer
         self.source = source
-        self._template = _compile(source)
+        self._template = compile_template(source)
         self._specials = _Specials(tokenizer.special_tokens.values())
         self._special_re = self._specials.pattern
         self._special_id = {s: i for i, s in tokenizer.special_tokens.items()}
+        # HF passes the tokenizer's special_tokens_map: only the tokens it has (a missing one is undefined).
+        self._token_vars: dict[str, str] = {}
+        for name, tid in (
+            ("bos_token", tokenizer.bos_token_id),
+            ("eos_token", tokenizer.eos_token_id),
+            ("unk_token", tokenizer.unk_token_id),
+            ("pad_token", tokenizer.pad_token_id),
+        ):
+            text = tokenizer.id_to_token(tid) if tid is not None else None
+            if text:
+                self._token_vars[name] = text
         #: True if the template mentions ``tools`` (otherwise tool definitions do not reach the prompt).
         self.supports_tools = "tools" in source
         #: True if the template mentions ``tool_calls`` (otherwise an assistant's tool calls are not rendered,
-        #: and one with null content cannot be: 400).
+        #: and a template that needs every message's content cannot render one with null content: 400).
         self.supports_tool_calls = "tool_calls" in source
 
     def render(
@@ -330,17 +329,19 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         extra_context: dict[str, Any] | None = None,
     ) -> ChatPrompt:
-        """Render and tokenize a conversation.
+        """Render and tokenize a conversation (HF ``apply_chat_template(..., tokenize=False)`` text).
 
         Args:
-            messages: OpenAI ``messages`` (validated by ``normalize_messages``).
+            messages: OpenAI ``messages`` (validated by ``normalize_messages``); keys with a null value are
+                dropped before the template sees them, as HF does.
             add_generation_prompt: append the assistant header (``<|im_start|>assistant\\n``).
             continue_final_message: the final message must be the assistant's; the prompt ends with its
-                content (trailing whitespace stripped, HF semantics) with no end marker and no new header,
-                so generation continues that text.
-            tools: OpenAI ``tools`` list passed to the template as ``tools`` (ignored by templates that do
-                not use it; see ``supports_tools``).
-            extra_context: more template variables (e.g. ``documents``); cannot override the ones above.
+                content with no end marker and no new header, so generation continues that text (HF
+                semantics: its trailing whitespace is kept when the template keeps it, else stripped).
+            tools: OpenAI ``tools`` list (JSON-schema dicts) passed to the template as ``tools`` (ignored by
+                templates that do not use it; see ``supports_tools``).
+            extra_context: more template variables (e.g. ``documents``, ``enable_thinking``); cannot override
+                the ones above. ``documents`` is None unless given (HF).
 
         Returns:
             ChatPrompt(text, ids).
@@ -349,12 +350,13 @@ class ChatTemplate:
             InvalidConversation: bad messages (see ``normalize_messages``); both flags true
                 (param ``continue_final_message``); continue_final_message with a final message that is not
                 the assistant's (``messages[i].role``); ``tools`` not a list of objects (param ``tools``); an
-                assistant message with null content (it has ``tool_calls``) when the template does not render
-                ``tool_calls`` (``messages[i].content``, code ``unsupported_value``).
-            TemplateRejected: the template raised or failed on this input (param ``messages``, code
-                ``invalid_value`` for a failure; the message names no Python exception), or it does not
-                render the final message's content that continue_final_message continues (param
-                ``messages``).
+                assistant message with null content (it has ``tool_calls``) that a template not rendering
+                ``tool_calls`` fails on (``messages[i].content``, code ``unsupported_value``).
+            TemplateRejected: param ``messages``, code ``invalid_value``: the template called
+                ``raise_exception`` (message "The model's chat template raised: <its message>"), or failed on
+                this input (the message names the feature: an unknown filter, a value the conversation lacks,
+                an operation the sandbox forbids, a value of the wrong type; no Python exception class), or it
+                does not render the final message's content that continue_final_message continues.
         """
         if continue_final_message and add_generation_prompt:
             raise InvalidConversation(
@@ -362,67 +364,66 @@ class ChatTemplate:
                 param="continue_final_message",
             )
         msgs = normalize_messages(messages)
-        if not self.supports_tool_calls:
-            for i, m in enumerate(msgs):
-                if m["content"] is None:  # an assistant with tool_calls/function_call and null content
-                    raise InvalidConversation(
-                        f"'messages[{i}].content' is null, but this model's chat template does not render 'tool_calls': "
-                        "give the assistant message a text content.",
-                        param=f"messages[{i}].content",
-                        code="unsupported_value",
-                    )
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise InvalidConversation("'tools' must be an array of objects.", param="tools")
 
         neut = _Neutralizer(self._specials)
-        msgs = neut.apply(msgs)
+        tmsgs = neut.apply([_template_message(m) for m in msgs])
         tools_n = neut.apply(tools) if tools is not None else None
 
+        # HF's continue tag: a marker with a trailing space tells whether the template trimmed the content.
         marker = None
         if continue_final_message:
-            last = msgs[-1]
-            if last["role"] != "assistant":
+            if msgs[-1]["role"] != "assistant":
                 raise InvalidConversation(
                     "'continue_final_message' needs the final message to be from the assistant.",
                     param=f"messages[{len(msgs) - 1}].role",
                 )
-            marker = "\U000f0002" + secrets.token_hex(8) + "\U000f0003"
-            final = (last.get("content") or "").rstrip()
-            msgs[-1] = dict(last, content=final + marker)
+            marker = "\U000f0002" + secrets.token_hex(8) + "\U000f0003 "
+            tmsgs[-1]["content"] = tmsgs[-1].get("content", "") + marker
 
-        ctx = dict(extra_context or {})
-        ctx.update(
-            messages=msgs,
-            tools=tools_n,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.tokenizer.bos_token,
-            eos_token=self.tokenizer.eos_token,
-        )
+        ctx = {"documents": None, **(extra_context or {}), **self._token_vars}
+        ctx.update(messages=tmsgs, tools=tools_n, add_generation_prompt=add_generation_prompt)
         try:
             text = self._template.render(**ctx)
-        except _TemplateRaised as e:
+        except TemplateRaised as e:
             raise TemplateRejected(
-                f"The chat template rejected the messages: {e}", param="messages"
+                f"The model's chat template raised: {e}", param="messages", code="invalid_value"
             ) from None
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            log.info("chat template failed on a request: %s", type(e).__name__)  # internals stay in the log
+        except RENDER_ERRORS as e:
+            self._null_content_check(msgs)
+            log.info("chat template failed on a request: %s", type(e).__name__)
             raise TemplateRejected(
-                "The model's chat template could not render these messages (a field is missing or of a type it "
-                "does not accept).",
+                f"The model's chat template cannot render these messages: {describe_failure(e)}.",
                 param="messages",
                 code="invalid_value",
             ) from None
 
         if marker is not None:
-            cut = text.rfind(marker)
+            cut = text.rfind(marker.strip())
             if cut < 0:
                 raise TemplateRejected(
                     "'continue_final_message': the chat template does not render the final message's content.",
                     param="messages",
+                    code="invalid_value",
                 )
-            text = text[:cut]
+            text = text[:cut] if text.startswith(marker, cut) else text[:cut].rstrip()
 
         return ChatPrompt(text=neut.restore(text), ids=self._tokenize(text, neut))
+
+    def _null_content_check(self, msgs: list[dict[str, Any]]) -> None:
+        """After a failed render: an assistant's null content is the likely cause when the template does not
+        render ``tool_calls`` (SmolLM2's concatenates every content); say so instead of a template error."""
+        if self.supports_tool_calls:
+            return
+        for i, m in enumerate(msgs):
+            if m["content"] is None:
+                raise InvalidConversation(
+                    f"'messages[{i}].content' is null, but this model's chat template does not render 'tool_calls': "
+                    "give the assistant message a text content.",
+                    param=f"messages[{i}].content",
+                    code="unsupported_value",
+                )
 
     def _tokenize(self, text: str, neut: _Neutralizer) -> list[int]:
         """Special ids for the special-token strings in ``text`` (all written by the template, since client

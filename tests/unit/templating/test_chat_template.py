@@ -3,6 +3,9 @@ consecutive same-role messages; text parts joined in order; assistant prefill; v
 
 from __future__ import annotations
 
+import json
+
+import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,9 +136,13 @@ def test_continue_final_message(tok, tmpl):
     assert p.ids[-1] != tok.im_end_id
     assert p.text.count("<|im_start|>assistant") == 1
     assert p.ids == tok.encode_with_specials(p.text)
-    # trailing whitespace of the continued message is stripped (HF semantics)
+    # HF semantics: trailing whitespace of the continued message is kept when the template keeps it...
     msgs[-1]["content"] = "The fruit is  \n"
-    assert tmpl.render(msgs, add_generation_prompt=False, continue_final_message=True).text == p.text
+    assert tmpl.render(msgs, add_generation_prompt=False, continue_final_message=True).text == p.text + "  \n"
+    # ...and stripped when the template trims the content
+    trims = ChatTemplate(tok, "{% for m in messages %}{{ m.role }}: {{ m.content | trim }}\n{% endfor %}")
+    t = trims.render(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert t.text == "user: Name a fruit.\nassistant: The fruit is"
     # an empty final message continues right after the assistant header
     msgs[-1]["content"] = ""
     e = tmpl.render(msgs, add_generation_prompt=False, continue_final_message=True)
@@ -238,7 +245,7 @@ TOOL_TEMPLATE = (
 def test_null_content_with_tool_calls_renders_when_the_template_supports_them(tok):
     t = ChatTemplate(tok, TOOL_TEMPLATE)
     assert t.supports_tool_calls
-    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
     p = t.render(
         [
             {"role": "user", "content": "x"},
@@ -248,9 +255,18 @@ def test_null_content_with_tool_calls_renders_when_the_template_supports_them(to
         add_generation_prompt=False,
     )
     assert p.text == (
-        '<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": "{}"}'
+        '<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": {"a": 1}}'
         "</tool_call><|im_end|>\n<|im_start|>tool\n4<|im_end|>\n"
     )
+    # OpenAI's JSON-string arguments reach the template as the object (HF's form); the caller's call is unchanged
+    assert call["function"]["arguments"] == '{"a": 1}'
+    # a string that is not a JSON object is passed as given
+    for raw in ("[1]", "not json", "{"):
+        bad = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": raw}}
+        q = t.render(
+            [{"role": "assistant", "content": None, "tool_calls": [bad]}], add_generation_prompt=False
+        )
+        assert json.dumps(raw) in q.text
 
 
 def test_template_type_error_names_no_python_internals(tok):
@@ -383,3 +399,39 @@ def test_no_special_token_across_client_template_boundary(tok):
         [{"role": "user", "content": "a <"}, {"role": "assistant", "content": "|> b"}]
     )
     assert p.ids == tok.encode_with_specials(p.text)
+
+
+def test_hf_context_and_globals(tok):
+    """As HF's apply_chat_template: null-valued keys are absent, reasoning is aliased to reasoning_content and
+    thinking, documents is None unless given, dict() and namespace() work and a namespace refuses dunders."""
+    t = ChatTemplate(
+        tok,
+        "{% for m in messages %}[{{ m.content is defined }} {{ m.reasoning_content }} {{ m.thinking }}]{% endfor %}"
+        "{{ documents is none }} {{ dict(a=1) | tojson }}{% set ns = namespace(n=0) %}{% set ns.n = 2 %}{{ ns.n }}",
+    )
+    p = t.render(
+        [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}], "reasoning": "r1"},
+            {"role": "assistant", "content": "x", "thinking": "r2"},
+        ]
+    )
+    assert p.text == '[False r1 r1][True r2 r2]True {"a": 1}2'
+    docs = ChatTemplate(tok, "{{ documents | tojson }}").render(
+        [{"role": "user", "content": "x"}], extra_context={"documents": [{"title": "t", "text": "d"}]}
+    )
+    assert docs.text == '[{"title": "t", "text": "d"}]'
+    for src, feature in (
+        ("{% set ns = namespace(_x=1) %}", "sandbox forbids"),
+        ("{{ dict.__class__ }}{{ x.y.z }}", "does not have"),
+        ("{% if messages %}{{ messages[0].content | from_json }}{% endif %}", "the filter 'from_json'"),
+        ("{% if messages %}{{ messages[0].content is frobbed }}{% endif %}", "the test 'frobbed'"),
+        ("{{ messages[0].content + 1 }}", "type it does not accept"),
+    ):
+        with pytest.raises(TemplateRejected) as ei:
+            ChatTemplate(tok, src).render([{"role": "user", "content": "x"}])
+        e = ei.value
+        assert feature in e.message and (e.param, e.code) == ("messages", "invalid_value"), e.message
+        assert "Error" not in e.message
+    # outside a condition Jinja refuses an unknown filter when the template compiles (at start, not per request)
+    with pytest.raises(jinja2.TemplateSyntaxError, match="from_json"):
+        ChatTemplate(tok, "{{ messages | from_json }}")
