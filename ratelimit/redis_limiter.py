@@ -444,15 +444,27 @@ class RedisLimiter:
         """Raise :class:`StoreError` unless the server answers ``PING`` within the connect and command
         timeouts (a wrong password, a TLS certificate that does not verify: the message says which). Before
         :meth:`run` has started it opens the pool for this one call (the start-up check)."""
-        try:
-            with trio.fail_after(self.ping_timeout_s), store_errors():
-                if self._connected:
+        failed: StoreError | None = None
+
+        async def ping_once() -> None:
+            nonlocal failed
+            try:
+                with store_errors():
                     await self.client.ping()
+            except StoreError as e:  # kept out of the pool's task group (it would come out in a group)
+                failed = e
+
+        try:
+            with trio.fail_after(self.ping_timeout_s):
+                if self._connected:
+                    await ping_once()
                 else:
                     async with self.client:
-                        await self.client.ping()
+                        await ping_once()
         except trio.TooSlowError:
             raise StoreError(f"no answer to PING within {self.ping_timeout_s:g}s") from None
+        if failed is not None:
+            raise failed
 
     async def aclose(self) -> None:
         """Stop the heartbeat (its channel closes): :meth:`run` returns and closes the connections. Calls made

@@ -74,6 +74,7 @@ def _answers(port: int, tls: TLSFiles | None) -> bool:
             s: socket.socket = raw
             if tls is not None:
                 ctx = ssl.create_default_context(cafile=str(tls.cert))
+                ctx.load_cert_chain(tls.cert, tls.key)  # for --tls-auth-clients yes
                 s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
