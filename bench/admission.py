@@ -27,7 +27,6 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from auth.store import Store  # noqa: E402
 from gateway.tenants import Tenants  # noqa: E402
 from ratelimit.core import Limits  # noqa: E402
 
@@ -40,8 +39,8 @@ def pct(xs: list[float], p: float) -> float:
 async def run(db: str, redis_url: str | None, n: int, concurrency: int) -> dict[str, float]:
     async with Tenants(db, redis_url=redis_url, announce=lambda s: None).running() as t:
         lim = Limits(rpm=10**9, tpm=10**12, max_concurrent=10**6, daily_tokens=10**15)
-        tn = await t.store.call(Store.create_tenant, f"bench-{time.time_ns()}", lim)
-        key, _ = await t.store.call(Store.create_key, tn.id)
+        tn = await t.store.create_tenant(f"bench-{time.time_ns()}", lim)
+        key, _ = await t.store.create_key(tn.id)
         scope = {
             "type": "http",
             "headers": [(b"authorization", f"Bearer {key}".encode())],

@@ -8,14 +8,17 @@ pass through unchanged.
 
 from __future__ import annotations
 
-from auth.errors import AuthError, Forbidden
+from auth.errors import AuthError, Forbidden, StoreUnavailable
 from gateway.errors import APIError, AuthenticationError, PermissionDenied, RateLimited, ServiceUnavailable
 from ratelimit.errors import AdmissionError, LimiterUnavailable
 
 
 def api_error(exc: AuthError | AdmissionError) -> APIError:
     """401 :class:`AuthenticationError`, 403 :class:`PermissionDenied`, 429 :class:`RateLimited` or 503
-    :class:`ServiceUnavailable` with the same message, type, param, code and headers."""
+    :class:`ServiceUnavailable` (Redis: ``rate_limiter_unavailable``; the tenancy store: ``store_unavailable``)
+    with the same message, type, param, code and headers (``retry-after`` on a 503)."""
+    if isinstance(exc, StoreUnavailable):
+        return ServiceUnavailable(exc.message, type=exc.type, code=exc.code, headers=exc.headers)
     if isinstance(exc, Forbidden):
         return PermissionDenied(exc.message, code=exc.code, headers=exc.headers)
     if isinstance(exc, AuthError):

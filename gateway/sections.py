@@ -83,8 +83,32 @@ class BackendSettings(Section):
 class TenancySettings(Section):
     """``[tenancy]``: API keys, tenants and shared rate limits."""
 
-    db: Annotated[str, _opt("tenancy database path (SQLite)")] = "./data/gateway.db"
+    db: Annotated[
+        str, _opt("tenancy store: a SQLite file path, or a postgresql:// URL shared by several gateways")
+    ] = "./data/gateway.db"
+    key_cache_s: Annotated[
+        float, _opt("seconds a key lookup is trusted without a change feed (SQLite)", gt=0)
+    ] = 1.0
+    key_cache_feed_s: Annotated[
+        float, _opt("seconds a key lookup is trusted while PostgreSQL's change feed listens", gt=0)
+    ] = 10.0
+    key_stale_s: Annotated[
+        float, _opt("seconds after its last check a cached key is still served while the store is down", ge=0)
+    ] = 60.0
+    ledger_flush_s: Annotated[
+        float, _opt("seconds a usage row may wait for its batch (the crash-loss window)", gt=0)
+    ] = 0.5
+    ledger_batch: Annotated[int, _opt("most usage rows per write (the crash-loss bound in rows)", ge=1)] = 512
+    ledger_spool_dir: Annotated[
+        str | None, _opt("folder of the usage spool (default: the SQLite file's folder, else ./data)")
+    ] = None
+    ledger_spool_rows: Annotated[
+        int, _opt("usage rows the spool holds while the store is down (beyond: dropped, logged)", ge=0)
+    ] = 100_000
     redis_url: Annotated[str | None, _opt("Redis URL for rate limits shared by several gateways")] = None
+    limits_fail_open: Annotated[
+        bool, _opt("while Redis does not answer, admit requests without rate limits (default: 503)")
+    ] = False
     admin_key: Annotated[str | None, _opt("admin bearer key (admin API off without one)")] = None
 
 

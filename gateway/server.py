@@ -155,7 +155,18 @@ async def serve(settings: Settings) -> None:
         tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
         template = ChatTemplate(tokenizer, card.chat_template if card and card.chat_template else None)
         t = settings.tenancy
-        tenancy = Tenants(t.db, redis_url=t.redis_url, admin_key=t.admin_key)
+        tenancy = Tenants(
+            t.db,
+            redis_url=t.redis_url,
+            admin_key=t.admin_key,
+            cache_ttl_s=t.key_cache_s,
+            feed_ttl_s=t.key_cache_feed_s,
+            stale_s=t.key_stale_s,
+            ledger_flush_s=t.ledger_flush_s,
+            ledger_batch=t.ledger_batch,
+            spool_dir=t.ledger_spool_dir,
+            spool_rows=t.ledger_spool_rows,
+        )
         await tenancy.start(nursery)
         obs = settings.observability
         metrics = GatewayMetrics(card.name if card else "", tenant_label=obs.metrics_tenant_label)

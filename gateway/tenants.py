@@ -1,9 +1,10 @@
 """Tenants: the gateway's tenant services, opened and closed together.
 
-Parts (each owns its state): the key database (``auth.store.AsyncStore``), key lookup and the admin key check
-(``auth.authenticator.Authenticator``), admission over the rate limits (``ratelimit.admission.Admission``) and the
-usage ledger actor (``auth.ledger.UsageLedger``). This module wires them, runs their lifecycle, and hands the
-gateway their errors as :class:`~gateway.errors.APIError` (:mod:`gateway.error_map`)::
+Parts (each owns its state): the tenancy store (``auth.store.TenantStore``: SQLite or PostgreSQL) and its change
+feed, key lookup and the admin key check (``auth.authenticator.Authenticator``), admission over the rate limits
+(``ratelimit.admission.Admission``) and the usage ledger actor (``auth.ledger.UsageLedger``). This module wires
+them, runs their lifecycle, and hands the gateway their errors as :class:`~gateway.errors.APIError`
+(:mod:`gateway.error_map`; the store unreachable: 503 ``store_unavailable``)::
 
     async with Tenants("./data/gateway.db", redis_url=None, admin_key="...").running() as tenants:
         principal = await tenants.authenticate(scope["headers"], scope["query_string"])   # 401
@@ -17,6 +18,7 @@ Keys are never logged: the one place a key is printed is the announcement of the
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,10 +27,10 @@ import trio
 
 from auth.authenticator import Authenticator
 from auth.credentials import Headers
-from auth.errors import AuthError
+from auth.errors import AuthError, StoreUnavailable
 from auth.ledger import UsageLedger
 from auth.principal import Principal
-from auth.store import AsyncStore, Store
+from auth.store import ChangeFeed, TenantStore, is_postgres, open_store
 from gateway.error_map import api_error, error_status
 from gateway.middleware.asgi import Scope
 from ratelimit.admission import Admission
@@ -40,6 +42,14 @@ from ratelimit.reservation import Reservation
 DEFAULT_DB_PATH = "./data/gateway.db"
 
 
+def default_spool_dir(db_path: str) -> str | None:
+    """The ledger spool's folder for a store: the SQLite file's, ``./data`` for PostgreSQL, None for
+    ``:memory:`` (no spool)."""
+    if is_postgres(db_path):
+        return "./data"
+    return None if db_path == ":memory:" else os.path.dirname(os.path.abspath(db_path))
+
+
 def _to_stderr(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
@@ -49,10 +59,17 @@ class Tenants:
     """Tenants, keys, limits and usage of one gateway process.
 
     Args:
-        db_path: SQLite file (created with its directory; WAL). ``":memory:"`` for throwaway use.
+        db_path: SQLite file (created with its directory; WAL), ``":memory:"`` for throwaway use, or a
+            ``postgresql://`` URL (shared by several gateways; with a change feed).
         redis_url: ``redis://host:port[/db]`` to share rate-limit state between processes; None: in-process.
         admin_key: the admin API key (Bearer); None disables the admin API (every admin call: 401).
-        cache_ttl_s: seconds a key lookup is cached (see :mod:`auth.authenticator`).
+        cache_ttl_s: seconds a key lookup is trusted without a change feed (see :mod:`auth.authenticator`).
+        feed_ttl_s: seconds a key lookup is trusted while the change feed listens.
+        stale_s: seconds after its last check a cached key is still served while the store is down.
+        ledger_flush_s, ledger_batch: the ledger's batching (see :mod:`auth.ledger`; the crash-loss bound).
+        spool_dir: the ledger spool's folder; None: the SQLite file's folder, ``./data`` for PostgreSQL, no
+            spool for ``:memory:``.
+        spool_rows: rows the spool may hold.
         create_default: on an empty database create tenant ``default`` with one key, announced once.
         redis_prefix: key prefix in Redis.
         announce: where the default key is announced (default: stderr).
@@ -65,19 +82,34 @@ class Tenants:
         redis_url: str | None = None,
         admin_key: str | None = None,
         cache_ttl_s: float = 1.0,
+        feed_ttl_s: float = 10.0,
+        stale_s: float = 60.0,
+        ledger_flush_s: float = 0.5,
+        ledger_batch: int = 512,
+        spool_dir: str | None = None,
+        spool_rows: int = 100_000,
         create_default: bool = True,
         redis_prefix: str = "gw:rl:",
         announce: Callable[[str], None] = _to_stderr,
     ) -> None:
-        self.store = AsyncStore(db_path)
-        self.ledger = UsageLedger(self.store)
-        self.authenticator = Authenticator(self.store, admin_key=admin_key, cache_ttl_s=cache_ttl_s)
+        self.store: TenantStore = open_store(db_path)
+        self.ledger = UsageLedger(
+            self.store,
+            batch=ledger_batch,
+            flush_s=ledger_flush_s,
+            spool_dir=spool_dir or default_spool_dir(db_path),
+            spool_max_rows=spool_rows,
+        )
+        self.authenticator = Authenticator(
+            self.store, admin_key=admin_key, cache_ttl_s=cache_ttl_s, feed_ttl_s=feed_ttl_s, stale_s=stale_s
+        )
         limiter = RedisLimiter(redis_url, prefix=redis_prefix) if redis_url else LocalLimiter()
         self.admission = Admission(limiter, self.ledger, error_status=error_status)
         self.create_default = create_default
         self.default_key: str | None = None  # set (in memory only) when this start created it
         self._announce = announce
         self._started = False
+        self._feed_scope: trio.CancelScope | None = None
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Tenants]:
@@ -92,12 +124,13 @@ class Tenants:
                     await self.aclose()
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Open (create, migrate) the database, create the default tenant if it is empty, check the limiter,
-        start the ledger writer and the limiter's task (Redis: the lease heartbeat) in ``nursery``."""
+        """Open (create, migrate) the store, create the default tenant if it is empty, check the limiter, start
+        the change feed (PostgreSQL), the ledger writer and the limiter's task (Redis: the lease heartbeat) in
+        ``nursery``. Raises ``auth.errors.StoreUnavailable`` when PostgreSQL cannot be reached."""
         await self.store.open()
-        if self.create_default and await self.store.call(Store.count_tenants) == 0:
-            t = await self.store.call(Store.create_tenant, "default")
-            key, _ = await self.store.call(Store.create_key, t.id, name="default")
+        if self.create_default and await self.store.count_tenants() == 0:
+            t = await self.store.create_tenant("default")
+            key, _ = await self.store.create_key(t.id, name="default")
             self.default_key = key
             self._announce(
                 f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now"
@@ -105,13 +138,22 @@ class Tenants:
         await self.admission.start()
         await nursery.start(self.admission.run)
         await nursery.start(self.ledger.run)
+        if self.store.feed is not None:
+            self._feed_scope = trio.CancelScope()
+            await nursery.start(self._listen, self.store.feed)
         self._started = True
+
+    async def _listen(self, feed: ChangeFeed, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self._feed_scope:
+            await feed.run(self.invalidate, task_status=task_status)
 
     async def aclose(self) -> None:
         """Write the queued ledger rows, close Redis and SQLite. Idempotent."""
         if not self._started:
             return
         self._started = False
+        if self._feed_scope is not None:
+            self._feed_scope.cancel()
         with trio.CancelScope(shield=True):
             await self.ledger.aclose()
             await self.admission.aclose()
@@ -162,7 +204,8 @@ class Tenants:
         request_id: str | None = None,
     ) -> AsyncIterator[Reservation]:
         """``Admission.admit`` (see :mod:`ratelimit.admission`) raising :class:`~gateway.errors.RateLimited`
-        (429) or :class:`~gateway.errors.ServiceUnavailable` (503) on entry."""
+        (429) or :class:`~gateway.errors.ServiceUnavailable` (503: Redis, or the store for a daily quota's
+        seed) on entry."""
         try:
             async with self.admission.admit(
                 principal,
@@ -172,17 +215,17 @@ class Tenants:
                 request_id=request_id,
             ) as res:
                 yield res
-        except AdmissionError as e:
+        except (AdmissionError, StoreUnavailable) as e:
             raise api_error(e) from None
 
     async def clear_leases(self, tenant_id: str) -> tuple[int, int]:
         """Free the concurrency slots of tenant ``tenant_id`` and of its keys, in every gateway sharing the
         limiter: (slots of the tenant scope, slots of its keys). Raises
-        :class:`~gateway.errors.ServiceUnavailable` (503, Redis did not answer)."""
-        keys = await self.store.call(Store.list_keys, tenant_id)
+        :class:`~gateway.errors.ServiceUnavailable` (503, Redis or the store did not answer)."""
         try:
+            keys = await self.store.list_keys(tenant_id)
             return await self.admission.clear_leases(tenant_id, [k.id for k in keys])
-        except AdmissionError as e:
+        except (AdmissionError, StoreUnavailable) as e:
             raise api_error(e) from None
 
     async def peek_headers(self, principal: Principal) -> dict[str, str]:

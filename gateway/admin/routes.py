@@ -17,7 +17,7 @@
 next request. The auth middleware checked the admin key already; each handler makes sure it did
 (:meth:`Tenants.require_admin`), so the routes stay closed in an app without it. Errors (OpenAI's body): 400
 (bad body or query), 401/403 (admin key), 404 (tenant or key), 409 (name taken), 413 (body too large), 503
-(the shared rate limiter, Redis, did not answer).
+(the shared rate limiter, Redis, or the tenancy store did not answer; ``retry-after``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from auth.errors import StoreUnavailable
 from auth.records import KeyRecord, TenantRecord
-from auth.store import Store
 from gateway.admin.body import read_json, read_struct
 from gateway.admin.schemas import (
     ApiKey,
@@ -51,6 +51,7 @@ from gateway.admin.schemas import (
     Usage,
 )
 from gateway.admin.times import expiry, parse_time
+from gateway.error_map import api_error
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.filters import parse_config
 from gateway.observability.record import get_record
@@ -165,8 +166,11 @@ class AdminAPI:
 
         async def endpoint(request: Request) -> Response:
             try:
-                await self.tenants.require_admin(request.scope)
-                return await fn(request)
+                try:
+                    await self.tenants.require_admin(request.scope)
+                    return await fn(request)
+                except StoreUnavailable as e:
+                    raise api_error(e) from None
             except APIError as e:
                 get_record(request).set_error(e.type, e.code)
                 return error_reply(e)
@@ -175,14 +179,14 @@ class AdminAPI:
         return endpoint
 
     async def tenant_or_404(self, request: Request) -> TenantRecord:
-        t = await self.store.call(Store.get_tenant, request.path_params["tenant_id"])
+        t = await self.store.get_tenant(request.path_params["tenant_id"])
         if t is None:
             raise NotFound("No such tenant.", param="tenant_id", code="tenant_not_found")
         return t
 
     async def changed_tenant(self, tid: str, **kw: object) -> TenantRecord:
         try:
-            t = await self.store.call(Store.update_tenant, tid, **kw)
+            t = await self.store.update_tenant(tid, **kw)
         except ValueError as e:
             raise Conflict(str(e), param="name", code="tenant_exists") from None
         self.tenants.invalidate()
@@ -195,7 +199,7 @@ class AdminAPI:
         limits = replaced(body.limits) if body.limits is not None else Limits()
         filters = checked_filters(body.filters)
         try:
-            t = await self.store.call(Store.create_tenant, body.name.strip(), limits, filters)
+            t = await self.store.create_tenant(body.name.strip(), limits, filters)
         except ValueError as e:
             raise Conflict(str(e), param="name", code="tenant_exists") from None
         if body.disabled:
@@ -204,7 +208,7 @@ class AdminAPI:
         return reply(tenant_object(t), 201)
 
     async def list_tenants(self, request: Request) -> Response:
-        ts = await self.store.call(Store.list_tenants)
+        ts = await self.store.list_tenants()
         return reply(TenantList(data=[tenant_object(t) for t in ts]))
 
     async def get_tenant(self, request: Request) -> Response:
@@ -228,7 +232,7 @@ class AdminAPI:
 
     async def delete_tenant(self, request: Request) -> Response:
         t = await self.tenant_or_404(request)
-        await self.store.call(Store.delete_tenant, t.id)
+        await self.store.delete_tenant(t.id)
         self.tenants.invalidate()
         return reply(TenantDeleted(id=t.id))
 
@@ -236,32 +240,32 @@ class AdminAPI:
         t = await self.tenant_or_404(request)
         body = await read_struct(request, KeyCreate, required=False)
         limits = replaced(body.limits) if body.limits is not None else None
-        key, rec = await self.store.call(
-            Store.create_key, t.id, name=body.name, expires_at=expiry(body.expires_at), limits=limits
+        key, rec = await self.store.create_key(
+            t.id, name=body.name, expires_at=expiry(body.expires_at), limits=limits
         )
         return reply(ApiKeyCreated(**key_fields(rec), key=key), 201, {"cache-control": "no-store"})
 
     async def list_keys(self, request: Request) -> Response:
         t = await self.tenant_or_404(request)
-        ks = await self.store.call(Store.list_keys, t.id)
+        ks = await self.store.list_keys(t.id)
         return reply(KeyList(data=[ApiKey(**key_fields(k)) for k in ks]))
 
     async def revoke_key(self, request: Request) -> Response:
-        rec = await self.store.call(Store.revoke_key, request.path_params["key_id"])
+        rec = await self.store.revoke_key(request.path_params["key_id"])
         if rec is None:
             raise no_such_key()
         self.tenants.invalidate()
         return reply(ApiKeyRevoked(**key_fields(rec)))
 
     async def get_key(self, request: Request) -> Response:
-        rec = await self.store.call(Store.get_key, request.path_params["key_id"])
+        rec = await self.store.get_key(request.path_params["key_id"])
         if rec is None:
             raise no_such_key()
         return reply(ApiKey(**key_fields(rec)))
 
     async def patch_key(self, request: Request) -> Response:
         kid = request.path_params["key_id"]
-        if await self.store.call(Store.get_key, kid) is None:
+        if await self.store.get_key(kid) is None:
             raise no_such_key()
         body = await read_struct(request, KeyPatch)
         kw: dict[str, object] = {}
@@ -271,7 +275,7 @@ class AdminAPI:
             kw["expires_at"] = expiry(body.expires_at)
         if body.limits is not msgspec.UNSET:
             kw["limits"] = replaced(body.limits) if body.limits is not None else None
-        rec = await self.store.call(Store.update_key, kid, **kw)
+        rec = await self.store.update_key(kid, **kw)
         self.tenants.invalidate()
         return reply(ApiKey(**key_fields(rec)))
 
@@ -340,7 +344,7 @@ async def usage(tenants: Tenants, tenant_id: str, request: Request) -> Usage:
     since = parse_time(request.query_params.get("since"), "since")
     until = parse_time(request.query_params.get("until"), "until")
     await tenants.ledger.flush()
-    return msgspec.convert(await tenants.store.call(Store.usage_summary, tenant_id, since, until), Usage)
+    return msgspec.convert(await tenants.store.usage_summary(tenant_id, since, until), Usage)
 
 
 def admin_routes(tenants: Tenants) -> list[BaseRoute]:
@@ -353,8 +357,11 @@ def usage_routes(tenants: Tenants) -> list[BaseRoute]:
 
     async def my_usage(request: Request) -> Response:
         try:
-            principal = await tenants.principal(request.scope)
-            return reply(await usage(tenants, principal.tenant_id, request))
+            try:
+                principal = await tenants.principal(request.scope)
+                return reply(await usage(tenants, principal.tenant_id, request))
+            except StoreUnavailable as e:
+                raise api_error(e) from None
         except APIError as e:
             get_record(request).set_error(e.type, e.code)
             return error_reply(e)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -67,6 +68,17 @@ def _own(path: Path) -> None:
         shutil.chown(path, "postgres", "postgres")
 
 
+def _traversable(folder: Path) -> None:
+    """Let the ``postgres`` user reach ``folder``: its ancestors get the search bit for others (pytest's
+    ``tmp_path`` lies under a 0700 folder of root); nothing becomes readable."""
+    if os.geteuid() != 0:
+        return
+    for parent in folder.resolve().parents:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            parent.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+
+
 def _run(cmd: list[str], what: str) -> None:
     r = subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
@@ -83,6 +95,7 @@ def start_postgres(folder: Path, port: int | None = None) -> tuple[PostgresHandl
     """
     bin_dir = require_postgres()
     folder.mkdir(parents=True, exist_ok=True)
+    _traversable(folder)
     _own(folder)
     data, sockets = folder / "pgdata", folder / "sock"
     sockets.mkdir(exist_ok=True)

@@ -14,7 +14,8 @@ from auth.credentials import bearer_token, query_has_key, redact_query
 from auth.errors import Forbidden, Unauthenticated
 from auth.keys import KEY_PREFIX, generate_key, hash_key
 from auth.schema import MIGRATIONS
-from auth.store import AsyncStore, Store
+from auth.sqlite_store import SqliteDatabase
+from auth.store import open_store
 from ratelimit.core import Limits
 
 ADMIN = "admin-secret"
@@ -26,7 +27,7 @@ def creds(key: str | None) -> list[tuple[bytes, bytes]]:
 
 @pytest.fixture
 async def store(tmp_path):
-    s = AsyncStore(str(tmp_path / "g.db"))
+    s = open_store(str(tmp_path / "g.db"))
     await s.open()
     yield s
     await s.aclose()
@@ -56,10 +57,10 @@ def test_credentials_in_headers_and_query():
 
 async def test_auth_failures_are_401(store):
     auth = Authenticator(store, admin_key=ADMIN)
-    tn = await store.call(Store.create_tenant, "x")
-    good, _ = await store.call(Store.create_key, tn.id)
-    expired, _ = await store.call(Store.create_key, tn.id, expires_at=time.time() - 1)
-    soon, _ = await store.call(Store.create_key, tn.id, expires_at=time.time() + 0.3)
+    tn = await store.create_tenant("x")
+    good, _ = await store.create_key(tn.id)
+    expired, _ = await store.create_key(tn.id, expires_at=time.time() - 1)
+    soon, _ = await store.create_key(tn.id, expires_at=time.time() + 0.3)
     cases = [
         (creds(None), b"", None),
         (creds("sk-gw-wrong"), b"", "invalid_api_key"),
@@ -80,7 +81,7 @@ async def test_auth_failures_are_401(store):
     with pytest.raises(Unauthenticated, match="expired"):
         await auth.authenticate(creds(soon))  # expiry is checked on every request, cache or not
     assert (await auth.authenticate(creds(good))).tenant_id == tn.id
-    await store.call(Store.update_tenant, tn.id, disabled=True)
+    await store.update_tenant(tn.id, disabled=True)
     assert (await auth.authenticate(creds(good))).tenant_id == tn.id  # cached for cache_ttl_s...
     auth.invalidate()  # ...unless invalidated (what the admin API does after every change)
     with pytest.raises(Unauthenticated) as ei:
@@ -90,8 +91,8 @@ async def test_auth_failures_are_401(store):
 
 async def test_principal_carries_limits_and_filters(store):
     auth = Authenticator(store, admin_key=None)
-    tn = await store.call(Store.create_tenant, "acme", Limits(rpm=5), {"hooks": []})
-    key, rec = await store.call(Store.create_key, tn.id, limits=Limits(tpm=7))
+    tn = await store.create_tenant("acme", Limits(rpm=5), {"hooks": []})
+    key, rec = await store.create_key(tn.id, limits=Limits(tpm=7))
     p = await auth.authenticate(creds(key))
     assert (p.tenant_id, p.tenant_name, p.key_id, p.key_prefix) == (tn.id, "acme", rec.id, rec.prefix)
     assert p.limits.rpm == 5 and p.key_limits is not None and p.key_limits.tpm == 7
@@ -100,8 +101,8 @@ async def test_principal_carries_limits_and_filters(store):
 
 async def test_admin_check(store):
     auth = Authenticator(store, admin_key=ADMIN)
-    tn = await store.call(Store.create_tenant, "x")
-    key, rec = await store.call(Store.create_key, tn.id)
+    tn = await store.create_tenant("x")
+    key, rec = await store.create_key(tn.id)
     await auth.check_admin(creds(ADMIN))
     with pytest.raises(Forbidden) as ei:
         await auth.check_admin(creds(key))
@@ -114,14 +115,14 @@ async def test_admin_check(store):
         with pytest.raises(Unauthenticated) as ei:
             await auth.check_admin(headers, query)
         assert ei.value.status == 401 and ei.value.headers == {}
-    await store.call(Store.revoke_key, rec.id)
+    await store.revoke_key(rec.id)
     auth.invalidate()
     with pytest.raises(Unauthenticated):  # a revoked key is just a wrong one
         await auth.check_admin(creds(key))
     closed = Authenticator(store, admin_key=None)  # no admin key: the admin API is closed to everyone
     with pytest.raises(Unauthenticated):
         await closed.check_admin(creds(ADMIN))
-    other, _ = await store.call(Store.create_key, tn.id)
+    other, _ = await store.create_key(tn.id)
     with pytest.raises(Forbidden):
         await closed.check_admin(creds(other))
     alone = Authenticator(None, admin_key=ADMIN)  # no key database at all
@@ -132,17 +133,17 @@ async def test_admin_check(store):
 
 async def test_unknown_keys_are_cached_as_misses(store):
     auth = Authenticator(store, admin_key=None, cache_ttl_s=60)
-    tn = await store.call(Store.create_tenant, "x")
-    key, _ = await store.call(Store.create_key, tn.id)
+    tn = await store.create_tenant("x")
+    key, _ = await store.create_key(tn.id)
     calls = 0
-    real = store.call
+    real = store.find_key
 
-    async def counting(fn, *a, **kw):
+    async def counting(digest):
         nonlocal calls
-        calls += fn is Store.find_key
-        return await real(fn, *a, **kw)
+        calls += 1
+        return await real(digest)
 
-    store.call = counting
+    store.find_key = counting
     for _ in range(5):
         with pytest.raises(Unauthenticated):
             await auth.authenticate(creds("sk-gw-wrong"))
@@ -152,14 +153,14 @@ async def test_unknown_keys_are_cached_as_misses(store):
 
 async def test_restart_keeps_keys_and_revocations(tmp_path):
     path = str(tmp_path / "g.db")
-    s = AsyncStore(path)
+    s = open_store(path)
     await s.open()
-    tn = await s.call(Store.create_tenant, "acme")
-    k1, r1 = await s.call(Store.create_key, tn.id, name="one")
-    k2, _ = await s.call(Store.create_key, tn.id, name="two")
-    await s.call(Store.revoke_key, r1.id)
+    tn = await s.create_tenant("acme")
+    k1, r1 = await s.create_key(tn.id, name="one")
+    k2, _ = await s.create_key(tn.id, name="two")
+    await s.revoke_key(r1.id)
     await s.aclose()
-    s = AsyncStore(path)
+    s = open_store(path)
     await s.open()
     auth = Authenticator(s, admin_key=None)
     with pytest.raises(Unauthenticated, match="revoked"):
@@ -174,10 +175,10 @@ async def test_restart_keeps_keys_and_revocations(tmp_path):
 
 def test_migrations_are_ordered_and_idempotent(tmp_path):
     path = str(tmp_path / "m.db")
-    s = Store(path)
+    s = SqliteDatabase(path)
     assert s.schema_version() == len(MIGRATIONS)
     s.close()
-    s = Store(path)  # reopening applies nothing twice
+    s = SqliteDatabase(path)  # reopening applies nothing twice
     rows = s.conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
     assert [r[0] for r in rows] == list(range(1, len(MIGRATIONS) + 1))
     assert s.conn.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal"
@@ -187,4 +188,4 @@ def test_migrations_are_ordered_and_idempotent(tmp_path):
     con.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
     con.commit()
     con.close()
-    assert Store(str(tmp_path / "old.db")).schema_version() == len(MIGRATIONS)
+    assert SqliteDatabase(str(tmp_path / "old.db")).schema_version() == len(MIGRATIONS)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from auth.store import Store
 from gateway.middleware.auth import AuthMiddleware, classify_path, normalize_path
 from gateway.tenants import Tenants
 
@@ -64,8 +63,8 @@ async def call(app, path: str, key: str | None = None, query: bytes = b"") -> tu
 
 
 async def test_one_authentication_per_request(tenants):
-    tn = await tenants.store.call(Store.create_tenant, "a")
-    key, _ = await tenants.store.call(Store.create_key, tn.id)
+    tn = await tenants.store.create_tenant("a")
+    key, _ = await tenants.store.create_key(tn.id)
     seen: list[dict] = []
 
     async def app(scope, receive, send):

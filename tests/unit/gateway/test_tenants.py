@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from auth.errors import Forbidden, Unauthenticated
-from auth.store import Store
 from gateway.error_map import api_error, error_status
 from gateway.errors import (
     APIError,
@@ -49,13 +48,13 @@ async def test_default_tenant_announced_once(tmp_path):
 async def test_restart_keeps_usage_and_revocations(tmp_path):
     path = str(tmp_path / "g.db")
     async with Tenants(path, announce=lambda s: None).running() as t:
-        tn = await t.store.call(Store.create_tenant, "acme")
-        k1, r1 = await t.store.call(Store.create_key, tn.id, name="one")
+        tn = await t.store.create_tenant("acme")
+        k1, r1 = await t.store.create_key(tn.id, name="one")
         p = await t.authenticate(creds(k1))
         for i in range(3):
             async with t.admit(p, prompt_tokens=10, max_tokens=10, model="m", request_id=f"r{i}") as res:
                 res.finish(completion_tokens=4, finish_reason="stop")
-        await t.store.call(Store.revoke_key, r1.id)
+        await t.store.revoke_key(r1.id)
         t.invalidate()
         with pytest.raises(AuthenticationError):
             await t.authenticate(creds(k1))
@@ -64,14 +63,14 @@ async def test_restart_keeps_usage_and_revocations(tmp_path):
         with pytest.raises(AuthenticationError) as ei:
             await t.authenticate(creds(k1))
         assert ei.value.status == 401 and "revoked" in ei.value.message
-        u = await t.store.call(Store.usage_summary, tn.id, None, None)
+        u = await t.store.usage_summary(tn.id, None, None)
         assert u["totals"]["requests"] == 3 and u["totals"]["total_tokens"] == 42
         assert len(u["days"]) == 1
 
 
 async def test_limit_change_applies_at_once(tenants):
-    tn = await tenants.store.call(Store.create_tenant, "lim", Limits(rpm=2))
-    key, _ = await tenants.store.call(Store.create_key, tn.id)
+    tn = await tenants.store.create_tenant("lim", Limits(rpm=2))
+    key, _ = await tenants.store.create_key(tn.id)
     p = await tenants.authenticate(creds(key))
     for _ in range(2):
         async with tenants.admit(p, prompt_tokens=1, max_tokens=1):
@@ -79,7 +78,7 @@ async def test_limit_change_applies_at_once(tenants):
     with pytest.raises(RateLimited):
         async with tenants.admit(p, prompt_tokens=1, max_tokens=1):
             pass
-    await tenants.store.call(Store.update_tenant, tn.id, limits=Limits(rpm=5))
+    await tenants.store.update_tenant(tn.id, limits=Limits(rpm=5))
     tenants.invalidate()  # what the admin API does after every change
     p = await tenants.authenticate(creds(key))
     assert p.limits.rpm == 5
@@ -89,8 +88,8 @@ async def test_limit_change_applies_at_once(tenants):
 
 
 async def test_admission_errors_are_api_errors_and_statuses_are_billed(tenants):
-    tn = await tenants.store.call(Store.create_tenant, "x", Limits(rpm=1, window_s=3600))
-    key, _ = await tenants.store.call(Store.create_key, tn.id)
+    tn = await tenants.store.create_tenant("x", Limits(rpm=1, window_s=3600))
+    key, _ = await tenants.store.create_key(tn.id)
     p = await tenants.authenticate(creds(key))
     with pytest.raises(InvalidRequest):
         async with tenants.admit(p, prompt_tokens=1, max_tokens=1, request_id="bad"):
@@ -101,7 +100,7 @@ async def test_admission_errors_are_api_errors_and_statuses_are_billed(tenants):
     assert ei.value.body()["error"]["code"] == "rate_limit_exceeded"
     assert ei.value.headers["x-ratelimit-remaining-requests"] == "0"
     await tenants.ledger.flush()
-    [row] = await tenants.store.call(Store.usage_rows, tn.id)
+    [row] = await tenants.store.usage_rows(tn.id)
     assert (row["request_id"], row["status"], row["finish_reason"]) == ("bad", 400, "error")
 
 

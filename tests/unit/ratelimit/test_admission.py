@@ -10,7 +10,7 @@ from plugins.admission_burst import burst
 
 from auth.ledger import UsageLedger
 from auth.principal import Principal
-from auth.store import AsyncStore, Store
+from auth.store import open_store
 from ratelimit.admission import Admission
 from ratelimit.core import Dim, Limits, format_duration, headers_for
 from ratelimit.errors import RateLimitExceeded
@@ -20,7 +20,7 @@ from ratelimit.local import LocalLimiter
 @pytest.fixture
 async def books(tmp_path):
     """A real SQLite store with its usage ledger running."""
-    store = AsyncStore(str(tmp_path / "g.db"))
+    store = open_store(str(tmp_path / "g.db"))
     await store.open()
     ledger = UsageLedger(store)
     async with trio.open_nursery() as nursery:
@@ -165,7 +165,7 @@ async def test_cancellation_gives_back_and_bills_generated_tokens(admission, boo
     async with admission.admit(p, prompt_tokens=1, max_tokens=1):  # concurrency slot was freed
         pass
     await ledger.flush()
-    rows = await store.call(Store.usage_rows, p.tenant_id)
+    rows = await store.usage_rows(p.tenant_id)
     row = [x for x in rows if x["request_id"] == "req-c"][0]
     assert row["prompt_tokens"] == 100 and row["completion_tokens"] == 7 and row["status"] == 499
 
@@ -185,7 +185,7 @@ async def test_error_inside_admission_releases_and_bills(books):
     async with adm.admit(p, prompt_tokens=1, max_tokens=1):
         pass
     await ledger.flush()
-    rows = {x["request_id"]: x for x in await store.call(Store.usage_rows, p.tenant_id)}
+    rows = {x["request_id"]: x for x in await store.usage_rows(p.tenant_id)}
     assert (rows["req-e"]["status"], rows["req-e"]["finish_reason"]) == (500, "error")
     assert rows["req-t"]["status"] == 418
 
@@ -231,7 +231,7 @@ async def test_unlimited_tenant_has_no_headers_but_is_billed(admission, books):
         assert r.headers == {}
         r.finish(completion_tokens=2, finish_reason="stop", timings={"ttft_s": 0.01})
     await ledger.flush()
-    [row] = await store.call(Store.usage_rows, p.tenant_id)
+    [row] = await store.usage_rows(p.tenant_id)
     assert (row["model"], row["total_tokens"], row["finish_reason"], row["status"]) == ("m", 5, "stop", 200)
     assert row["timings"]["ttft_s"] == 0.01
 
