@@ -2,41 +2,51 @@
 
 Two sources are supported:
 
-* a GGUF file (``tokenizer.ggml.model == "gpt2"``: byte-level BPE; metadata read by a header-only parser
-  that follows the GGUF spec, ~10x faster than ``gguf.GGUFReader``), from its vocabulary
-  (``tokenizer.ggml.tokens``/``merges``/``token_type``) and the pre-tokenizer named by
-  ``tokenizer.ggml.pre``. For ``"smollm"`` (SmolLM/SmolLM2, StarCoder2 lineage) the pipeline is the one in
-  HF's ``HuggingFaceTB/SmolLM2-*/tokenizer.json``: no normalizer; pre-tokenizer
-  ``Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)]``;
-  BPE model without byte fallback; ``ByteLevel`` decoder. Tokens of type CONTROL (3) become special added
-  tokens, USER_DEFINED (4) non-special added tokens (llama.cpp ``llama-vocab.cpp`` semantics).
-* a Hugging Face model directory (``tokenizer.json`` + optional ``tokenizer_config.json`` /
-  ``chat_template.jinja``), loaded as is.
-
-Checked against ``tests/fixtures/smollm2_tokenizer.json`` (transformers 5.23 and llama.cpp agree).
+* a GGUF file: the vocabulary, merges or scores, token types, special ids and add-BOS/EOS flags of its
+  metadata, turned into the pipeline llama.cpp uses for that kind (``templating/gguf_vocab.py``: byte-level
+  BPE with each ``tokenizer.ggml.pre`` type's regexes, SentencePiece ``llama`` vocabularies with byte
+  fallback, Gemma 4). ``"smollm"`` keeps the pipeline of HF's ``HuggingFaceTB/SmolLM2-*/tokenizer.json``
+  (checked against ``tests/fixtures/smollm2_tokenizer.json``; transformers 5.23 and llama.cpp agree); the
+  others are checked against llama.cpp's expected ids (``tests/unit/templating/test_vocab_families.py``).
+* a Hugging Face model directory: ``tokenizer.json`` as is, with ``tokenizer_config.json`` (bos/eos/unk/pad
+  strings, ``add_bos_token``/``add_eos_token``, ``chat_template``) and ``chat_template.jinja`` when present.
 
 Token ids are Python ``int``; all ids lie in ``[0, vocab_size)``.
+
+Errors (``templating/errors.py``): ``TokenizerFileMissing`` (also ``FileNotFoundError``) for a missing path or
+a directory without ``tokenizer.json``; ``UnsupportedTokenizer`` (also ``ValueError``) naming the GGUF key and
+value of a kind not built; ``TokenizerError`` for a vocabulary ``tokenizers`` rejects. Each ``str()`` is one
+line.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
+
+from templating.errors import TokenizerFileMissing
+from templating.gguf_vocab import GGUFVocab, build_tokenizer, read_gguf_metadata
 
 __all__ = ["TextTokenizer", "load_tokenizer", "cached_tokenizer", "bytes_to_unicode"]
 
-# GGUF token types (gguf.TokenType / llama.cpp llama_token_type).
-_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
-
-# Pre-tokenizer regexes of llama.cpp's ``llama_vocab`` pre types that are byte-level BPE, keyed by
-# ``tokenizer.ggml.pre``. Only "smollm" is verified by fixtures; the GPT-2 one is the HF ByteLevel default.
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Token strings that end a turn when they are special tokens (llama.cpp ``llama_vocab`` end-of-generation list).
+_END_OF_TURN = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+)
 
 
 @lru_cache(maxsize=1)
@@ -58,8 +68,12 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 @lru_cache(maxsize=1)
-def _unicode_to_bytes() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
+def _to_latin1() -> dict[int, str]:
+    """``str.translate`` table: each byte-map character -> the character of its byte (< 256); every other
+    character below 256 -> U+FFFF, so that ``encode("latin-1")`` fails on it as on any character >= 256."""
+    table = {c: "\uffff" for c in range(256)}
+    table.update({ord(c): chr(b) for b, c in bytes_to_unicode().items()})
+    return table
 
 
 def _byte_level_token_bytes(token: str) -> bytes:
@@ -68,10 +82,9 @@ def _byte_level_token_bytes(token: str) -> bytes:
     Same rule as ``tokenizers`` (``decoders/byte_level.rs``): if every character is in the byte map the
     token is those bytes, otherwise (e.g. an added token such as ``"a b"``) its raw UTF-8.
     """
-    table = _unicode_to_bytes()
     try:
-        return bytes(table[c] for c in token)
-    except KeyError:
+        return token.translate(_to_latin1()).encode("latin-1")
+    except UnicodeEncodeError:
         return token.encode("utf-8")
 
 
@@ -102,8 +115,10 @@ class TextTokenizer:
     """A loaded tokenizer plus what templating and detokenizing need.
 
     Attributes:
-        tokenizer: the full ``tokenizers.Tokenizer`` (special added tokens are parsed in text).
-        plain: a copy with ``encode_special_tokens=True``: special-token strings in text are ordinary text.
+        plain: the ``tokenizers.Tokenizer`` with ``encode_special_tokens=True``: special-token strings in
+            text are ordinary text (user-defined added tokens are still matched, as llama.cpp does).
+        tokenizer: (property) a copy that parses special added tokens in text, built on first use (it costs
+            as much as the load: ~1 s for a 150k vocabulary) -- only trusted text needs it.
         vocab_size: number of ids, added tokens included (49,152 for SmolLM2).
         bos_token_id / eos_token_id / unk_token_id / pad_token_id: ids or None.
         bos_token / eos_token: their strings ("" when unknown), passed to chat templates.
@@ -111,10 +126,16 @@ class TextTokenizer:
         special_tokens: id -> string for the special tokens.
         id_to_bytes: ``id_to_bytes[i]`` is the UTF-8 byte string token ``i`` stands for (specials: their text).
         chat_template: the model's Jinja chat template source, or None.
-        stop_token_ids: ids that end generation (eos plus ``<|im_end|>``/``<|endoftext|>`` when present).
+        byte_level: tokens are GPT-2 byte-mapped strings (else SentencePiece ``▁`` / ``<0xNN>`` pieces).
+        add_bos_token / add_eos_token: a raw prompt starts with BOS / ends with EOS (:meth:`encode_prompt`;
+            GGUF ``tokenizer.ggml.add_bos_token`` with llama.cpp's per-kind default, HF
+            ``tokenizer_config.json`` or the ``tokenizer.json`` post-processor).
+        end_ids: further ids that end a turn (GGUF ``eot``/``eom`` token ids).
+        stop_token_ids: ids that end generation: eos, ``end_ids``, and the special tokens among
+            ``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``, ``<|end|>``, ``<end_of_turn>``... (llama.cpp's
+            end-of-generation names).
     """
 
-    tokenizer: Tokenizer
     plain: Tokenizer
     vocab_size: int
     bos_token_id: int | None
@@ -127,6 +148,9 @@ class TextTokenizer:
     id_to_bytes: list[bytes]
     chat_template: str | None
     byte_level: bool = True
+    add_bos_token: bool = False
+    add_eos_token: bool = False
+    end_ids: frozenset[int] = frozenset()
     special_ids: frozenset[int] = field(init=False)
     stop_token_ids: frozenset[int] = field(init=False)
 
@@ -135,21 +159,26 @@ class TextTokenizer:
 
     def __post_init__(self) -> None:
         self.special_ids = frozenset(self.special_tokens)
-        stops = {i for i in (self.eos_token_id,) if i is not None}
-        for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+        stops = {i for i in (self.eos_token_id,) if i is not None} | set(self.end_ids)
+        for name in _END_OF_TURN:
             i = self.token_to_id(name)
             if i is not None and i in self.special_ids:
                 stops.add(i)
         self.stop_token_ids = frozenset(stops)
 
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer that parses special-token strings in text (``encode_special_tokens=False``)."""
+        return Tokenizer.from_str(self.plain.to_str())
+
     # -- lookups ---------------------------------------------------------------------------------
     def token_to_id(self, token: str) -> int | None:
         """Id of an exact token string (special or not), or None."""
-        return self.tokenizer.token_to_id(token)
+        return self.plain.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
         """Raw vocabulary string of an id (byte-level form, e.g. ``"Ġhello"``), or None."""
-        return self.tokenizer.id_to_token(token_id)
+        return self.plain.id_to_token(token_id)
 
     @property
     def im_start_id(self) -> int | None:
@@ -181,13 +210,25 @@ class TextTokenizer:
             return []
         return _encode(self.tokenizer, text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt as the model was trained to see one: BOS first when ``add_bos_token``,
+        ``encode_plain(text)``, EOS last when ``add_eos_token`` (llama.cpp ``common_tokenize`` with
+        ``add_special=true, parse_special=false``). A rendered chat template writes its own BOS: use
+        ``encode_plain``/``ChatTemplate.render`` there."""
+        ids = self.encode_plain(text)
+        if self.add_bos_token and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        if self.add_eos_token and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD (one per maximal invalid subpart).
 
         Raises:
             OverflowError/TypeError: an id that is negative or not an int (from ``tokenizers``).
         """
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.plain.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,27 +240,47 @@ def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer:
     """Load from a GGUF file or a Hugging Face model directory (one holding ``tokenizer.json``).
 
     Raises:
-        FileNotFoundError: no such file, or a directory without ``tokenizer.json``.
-        ValueError: an unsupported GGUF tokenizer model/pre-tokenizer.
+        TokenizerFileMissing: no such file, or a directory without ``tokenizer.json`` (also
+            ``FileNotFoundError``; the message says what to pass).
+        UnsupportedTokenizer: a GGUF tokenizer kind that is not built (also ``ValueError``; names the key
+            and its value).
+        TokenizerError: a GGUF vocabulary ``tokenizers`` rejects, or one without tokens/merges.
+        ValueError: a file that is not GGUF.
     """
     p = Path(path)
     if p.is_dir():
         return _from_hf_dir(p)
     if not p.exists():
-        raise FileNotFoundError(str(p))
+        raise TokenizerFileMissing(str(p), _WHAT_TO_PASS)
     return _from_gguf(p)
 
 
+_WHAT_TO_PASS = "pass a GGUF file, or a Hugging Face model directory that holds tokenizer.json"
+
+
 def _finish(
-    tok: Tokenizer, special: dict[int, str], *, bos, eos, unk, pad, chat_template, byte_level: bool
+    tok: Tokenizer,
+    special: dict[int, str],
+    *,
+    bos,
+    eos,
+    unk,
+    pad,
+    chat_template,
+    byte_level: bool,
+    add_bos: bool,
+    add_eos: bool,
+    end_ids: frozenset[int] = frozenset(),
 ) -> TextTokenizer:
-    plain = Tokenizer.from_str(tok.to_str())
-    plain.encode_special_tokens = True
+    tok.encode_special_tokens = True
     n = tok.get_vocab_size(with_added_tokens=True)
     conv = _byte_level_token_bytes if byte_level else _sentencepiece_token_bytes
+    strings: list[str | None] = [None] * n
+    for s, i in tok.get_vocab(with_added_tokens=True).items():  # one call, not n id_to_token calls
+        if 0 <= i < n:
+            strings[i] = s
     table: list[bytes] = []
-    for i in range(n):
-        s = tok.id_to_token(i)
+    for i, s in enumerate(strings):
         if s is None:
             table.append(b"")
         elif i in special:
@@ -227,8 +288,7 @@ def _finish(
         else:
             table.append(conv(s))
     return TextTokenizer(
-        tokenizer=tok,
-        plain=plain,
+        plain=tok,
         vocab_size=n,
         bos_token_id=bos,
         eos_token_id=eos,
@@ -240,152 +300,27 @@ def _finish(
         id_to_bytes=table,
         chat_template=chat_template,
         byte_level=byte_level,
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
+        end_ids=end_ids,
     )
 
 
-_GGUF_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-
-
-def _read_gguf_metadata(path: Path) -> dict[str, object]:
-    """All key/value metadata of a little-endian GGUF v2/v3 file (tensor data is not read).
-
-    Follows the GGUF spec (ggml ``docs/gguf.md``). ``gguf.GGUFReader`` gives the same values but builds a
-    numpy view per string (seconds for a 49k vocabulary); this reads only the header.
-
-    Raises:
-        ValueError: not a GGUF file, big-endian, or an unknown value type.
-    """
-    with open(path, "rb") as f:
-        head = f.read(24)
-        if len(head) < 24 or head[:4] != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version} (or big-endian)")
-        # Metadata is at the start of the file; read generously and grow if needed.
-        buf = bytearray(head)
-        chunk = 8 << 20
-
-        def need(end: int) -> None:
-            while len(buf) < end:
-                more = f.read(max(chunk, end - len(buf)))
-                if not more:
-                    raise ValueError(f"{path}: truncated GGUF metadata")
-                buf.extend(more)
-
-        pos = 24
-
-        def read_str() -> str:
-            nonlocal pos
-            need(pos + 8)
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            need(pos + 8 + n)
-            out = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace")
-            pos += 8 + n
-            return out
-
-        def read_val(t: int):
-            nonlocal pos
-            if t == 8:
-                return read_str()
-            if t == 9:
-                need(pos + 12)
-                et, n = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if et == 8:
-                    return [read_str() for _ in range(n)]
-                if et in _GGUF_SCALARS:
-                    fmt = _GGUF_SCALARS[et]
-                    size = struct.calcsize(fmt)
-                    need(pos + size * n)
-                    vals = list(struct.unpack_from("<" + fmt[1] * n, buf, pos))
-                    pos += size * n
-                    return vals
-                return [read_val(et) for _ in range(n)]
-            fmt = _GGUF_SCALARS.get(t)
-            if fmt is None:
-                raise ValueError(f"{path}: unknown GGUF value type {t}")
-            size = struct.calcsize(fmt)
-            need(pos + size)
-            (v,) = struct.unpack_from(fmt, buf, pos)
-            pos += size
-            return v
-
-        meta: dict[str, object] = {}
-        for _ in range(n_kv):
-            key = read_str()
-            need(pos + 4)
-            (t,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            meta[key] = read_val(t)
-        return meta
-
-
 def _from_gguf(path: Path) -> TextTokenizer:
-    meta = _read_gguf_metadata(path)
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {model!r} (only byte-level BPE 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre") or "default"
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
-    merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
-
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = None
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre == "smollm":
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    elif pre in ("default", "gpt2", "gpt-2"):
-        tok.pre_tokenizer = byte_level
-    else:
-        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: 'smollm', 'gpt2')")
-    tok.decoder = decoders.ByteLevel()
-
-    special: dict[int, str] = {}
-    added: list[AddedToken] = []
-    for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty == _TT_CONTROL:
-            special[i] = t
-            added.append(
-                AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-            )
-        elif ty == _TT_USER_DEFINED:
-            added.append(
-                AddedToken(t, special=False, normalized=False, lstrip=False, rstrip=False, single_word=False)
-            )
-    if added:
-        tok.add_tokens(added)  # ids already exist in the vocab: add_tokens reuses them
-
-    def _id(key: str) -> int | None:
-        v = meta.get(key)
-        return int(v) if v is not None else None
-
+    vocab = GGUFVocab.from_metadata(read_gguf_metadata(path))
+    tok, special = build_tokenizer(vocab)
     return _finish(
         tok,
         special,
-        bos=_id("tokenizer.ggml.bos_token_id"),
-        eos=_id("tokenizer.ggml.eos_token_id"),
-        unk=_id("tokenizer.ggml.unknown_token_id"),
-        pad=_id("tokenizer.ggml.padding_token_id"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        byte_level=True,
+        bos=vocab.bos_id,
+        eos=vocab.eos_id,
+        unk=vocab.unk_id,
+        pad=vocab.pad_id,
+        chat_template=vocab.chat_template,
+        byte_level=vocab.byte_level,
+        add_bos=vocab.add_bos,
+        add_eos=vocab.add_eos,
+        end_ids=frozenset(i for i in (vocab.eot_id, vocab.eom_id) if i is not None),
     )
 
 
@@ -400,7 +335,14 @@ def _token_str(v) -> str | None:
 def _from_hf_dir(d: Path) -> TextTokenizer:
     tj = d / "tokenizer.json"
     if not tj.exists():
-        raise FileNotFoundError(f"{tj} not found")
+        if (d / "tokenizer.model").exists():
+            hint = (
+                "the directory has only a SentencePiece tokenizer.model, which is not read; pass the model's GGUF "
+                "file, or add the tokenizer.json its repository publishes"
+            )
+        else:
+            hint = _WHAT_TO_PASS
+        raise TokenizerFileMissing(str(tj), hint)
     tok = Tokenizer.from_file(str(tj))
     cfg: dict = {}
     if (d / "tokenizer_config.json").exists():
@@ -421,15 +363,23 @@ def _from_hf_dir(d: Path) -> TextTokenizer:
 
     dec = raw.get("decoder") or {}
     byte_level = dec.get("type") == "ByteLevel"
+    bos, eos = _id("bos_token"), _id("eos_token")
+    # add_bos_token / add_eos_token: the config's flags, else what tokenizer.json's post-processor adds.
+    probe = tok.encode("a", add_special_tokens=True).ids
+    bare = tok.encode("a", add_special_tokens=False).ids
+    add_bos = cfg.get("add_bos_token", bos is not None and probe[:1] == [bos] and bare[:1] != [bos])
+    add_eos = cfg.get("add_eos_token", eos is not None and probe[-1:] == [eos] and bare[-1:] != [eos])
     return _finish(
         tok,
         special,
-        bos=_id("bos_token"),
-        eos=_id("eos_token"),
+        bos=bos,
+        eos=eos,
         unk=_id("unk_token"),
         pad=_id("pad_token"),
         chat_template=template,
         byte_level=byte_level,
+        add_bos=bool(add_bos),
+        add_eos=bool(add_eos),
     )
 
 

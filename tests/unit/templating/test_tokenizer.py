@@ -99,7 +99,7 @@ def test_gguf_metadata_reader_matches_gguf_writer(tmp_path):
     """The header-only GGUF reader reads back what the ``gguf`` library writes, every value type."""
     import gguf
 
-    from templating.tokenizer import _read_gguf_metadata
+    from templating.gguf_vocab import read_gguf_metadata
 
     path = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(str(path), arch="llama")
@@ -115,7 +115,7 @@ def test_gguf_metadata_reader_matches_gguf_writer(tmp_path):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
-    m = _read_gguf_metadata(path)
+    m = read_gguf_metadata(path)
     assert m["general.architecture"] == "llama"
     assert m["a.str"] == "héllo" and m["a.u32"] == 7 and m["a.i32"] == -3
     assert m["a.f32"] == 0.5 and m["a.bool"] is True and m["a.u64"] == 2**40
@@ -124,7 +124,7 @@ def test_gguf_metadata_reader_matches_gguf_writer(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(40))
     with pytest.raises(ValueError):
-        _read_gguf_metadata(bad)
+        read_gguf_metadata(bad)
 
 
 def test_long_text_is_encoded_without_holding_the_gil(tok):
