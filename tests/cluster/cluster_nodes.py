@@ -2,8 +2,9 @@
 
 :func:`open_cluster` (the ``cluster`` fixture of ``tests/cluster/conftest.py``, once per session) starts:
 
-* one shared store: PostgreSQL (``tests/plugins/postgres_server.py``) when the project serves
-  ``--db postgresql://...``, else one SQLite file that the gateways share;
+* one shared store: a PostgreSQL server (``tests/plugins/postgres_server.py``) and a database on it
+  (``--db postgresql://...``); with ``LLM_GATEWAY_CLUSTER_STORE=sqlite``, one SQLite file instead (the tests
+  that stop the database server skip that part);
 * one ``redis-server`` (``tests/plugins/redis_server.py``) for the shared limits and leases;
 * one backend process (``python -m backend --listen unix:PATH``, the served default dtype): both gateways are
   clients of it (``--backend-url``), so the model loads once and killing a gateway leaves the backend serving
@@ -37,6 +38,14 @@ from typing import Protocol
 import httpx
 import pytest
 from plugins.gateway_server import ROOT, GatewayProc, _die_with_pytest, start_gateway
+from plugins.postgres_server import (
+    PostgresHandle,
+    create_database,
+    restart_postgres,
+    start_postgres,
+    stop_postgres,
+    wait_for_postgres,
+)
 from plugins.redis_server import redis_port, require_redis, start_redis, stop_redis
 
 BACKEND_START_S = 300.0  # seconds the shared backend gets to load the model (slow shared machines)
@@ -98,9 +107,46 @@ class SqliteStore:
         pass
 
 
+@dataclass
+class PostgresStore:
+    """One PostgreSQL server (``tests/plugins/postgres_server.py``) and a database on it for the cluster."""
+
+    handle: PostgresHandle
+    url: str  # the cluster's database
+    kind: str = "postgresql"
+
+    def db_arg(self) -> str:
+        return self.url
+
+    def usage(self, tenant_id: str) -> list[dict]:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        with psycopg.connect(self.url, connect_timeout=5, row_factory=dict_row) as conn:
+            return list(conn.execute("SELECT * FROM usage WHERE tenant_id = %s ORDER BY id", [tenant_id]))
+
+    def stop(self) -> None:
+        stop_postgres(self.handle)
+
+    def start(self) -> None:
+        restart_postgres(self.handle)
+        wait_for_postgres(self.url)
+
+    def close(self) -> None:
+        stop_postgres(self.handle)
+
+
 def open_store(folder: Path) -> SharedStore:
-    """The shared store of a new cluster whose files live in ``folder``."""
-    return SqliteStore(folder / "cluster.sqlite")
+    """The shared store of a new cluster whose files live in ``folder``: PostgreSQL (skips the caller when it is
+    not installed), or one SQLite file when ``LLM_GATEWAY_CLUSTER_STORE=sqlite``."""
+    if os.environ.get("LLM_GATEWAY_CLUSTER_STORE", "postgresql") == "sqlite":
+        return SqliteStore(folder / "cluster.sqlite")
+    handle, url = start_postgres(folder / "postgres")
+    try:
+        return PostgresStore(handle, create_database(url))
+    except BaseException:
+        stop_postgres(handle)
+        raise
 
 
 def redis_call(url: str, *args: str, timeout: float = 2.0) -> int | bytes | None:
@@ -223,6 +269,10 @@ class Cluster:
         gp = self.nodes[name]
         os.kill(gp.proc.pid, signal.SIGKILL)
         gp.proc.wait(10)
+
+    def stop_redis(self) -> None:
+        """Stop Redis (SIGTERM; its state is not saved) and wait until it is gone."""
+        stop_redis(self.redis_proc)
 
     def ensure_redis(self) -> None:
         """Start Redis again on its port if a test left it stopped."""
