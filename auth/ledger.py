@@ -71,7 +71,8 @@ class UsageLedger:
         self._idle = trio.Event()
         self._idle.set()
         self._hurry: trio.CancelScope | None = None
-        self._retry_at = math.inf
+        self._retry_at = math.inf  # trio time of the next spool replay (inf: nothing spooled)
+        self._backoff = RETRY_MIN_S
 
     def record(self, row: dict[str, Any]) -> None:
         """Queue one ledger row (fields: ``auth.sql.USAGE_COLUMNS``; ``row_id`` is given here if absent)."""
@@ -112,6 +113,9 @@ class UsageLedger:
                 while not closed:
                     rows, closed = await self._collect()
                     await self._write(rows)
+                if self.spool is not None and self.spool.rows:
+                    with trio.CancelScope(shield=True):
+                        await self._replay()  # one last try
                 if self.spool is not None and self.spool.rows:
                     log.warning(
                         "usage ledger: store unavailable at shutdown; %d rows left in %s (written at the next start)",
@@ -166,7 +170,11 @@ class UsageLedger:
             log.error("usage ledger: store unavailable, no spool: %d rows lost", len(rows))
             return
         first = spool.rows == 0
-        await trio.to_thread.run_sync(spool.append, rows)
+        try:
+            await trio.to_thread.run_sync(spool.append, rows)
+        except OSError as e:
+            log.error("usage ledger: cannot spool to %s (%s): %d rows lost", spool.path, e, len(rows))
+            return
         if first:
             log.warning("usage ledger: store unavailable; spooling rows to %s", spool.path)
             self._retry_at = trio.current_time() + RETRY_MIN_S
@@ -181,12 +189,15 @@ class UsageLedger:
             for i in range(0, len(rows), self.batch):
                 self.written += await self.store.insert_usage(rows[i : i + self.batch])
         except StoreUnavailable:
-            self._backoff = min(RETRY_MAX_S, getattr(self, "_backoff", RETRY_MIN_S) * 2)
+            self._backoff = min(RETRY_MAX_S, self._backoff * 2)
             self._retry_at = trio.current_time() + self._backoff
             return
+        except Exception:  # rows the store refuses (not an outage): retrying cannot help
+            log.exception("usage ledger: the store refused spooled rows; dropping the rest of %d", len(rows))
+        else:
+            log.warning("usage ledger: store back; %d spooled rows written", len(rows))
         await trio.to_thread.run_sync(spool.truncate)
         self._retry_at = math.inf
-        log.warning("usage ledger: store back; %d spooled rows written", len(rows))
 
     async def _adopt(self) -> None:
         """Write the spools of dead processes in this folder (or move their rows into this one's spool)."""

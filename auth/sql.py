@@ -53,6 +53,7 @@ USAGE_COLUMNS = (
     "finish_reason",
     "timings",
 )
+TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")  # absent: 0
 SUMS = (
     "COUNT(*) AS requests, COALESCE(SUM(prompt_tokens),0) AS prompt_tokens, "
     "COALESCE(SUM(cached_tokens),0) AS cached_tokens, COALESCE(SUM(completion_tokens),0) AS completion_tokens, "
@@ -347,6 +348,8 @@ class SqlStore:
                 if c == "row_id"
                 else json.dumps(r.get("timings") or {})
                 if c == "timings"
+                else r.get(c, 0)
+                if c in TOKEN_COLUMNS
                 else r.get(c)
                 for c in USAGE_COLUMNS
             )
