@@ -35,7 +35,7 @@ import trio
 
 from .core import CONC_RETRY_S, Dim, DimResult, Outcome
 from .errors import StoreError
-from .redis_client import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, redis_client, store_errors
+from .redis_client import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, redis_connection, store_errors
 
 log = logging.getLogger("ratelimit.redis")
 
@@ -218,8 +218,8 @@ class RedisLimiter:
     tasks): start it before the first call, ``await nursery.start(limiter.run)``; :meth:`aclose` ends it.
 
     Args:
-        url: ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL with an optional password or ACL user
-            (:mod:`ratelimit.redis_client`).
+        url: ``redis://``, ``rediss://`` (TLS), ``unix://`` or ``redis+sentinel://`` URL with an optional
+            password or ACL user (:mod:`ratelimit.redis_client`).
         prefix: key prefix in Redis.
         lease_s: seconds a concurrency lease lives without renewal (:data:`LEASE_TTL_S`); :meth:`run` renews
             this process's leases every ``lease_s / 4``.
@@ -243,9 +243,10 @@ class RedisLimiter:
     ) -> None:
         if not lease_s > 0:
             raise ValueError("lease_s must be > 0")
-        self.client = redis_client(
+        self.connection = redis_connection(
             url, connect_timeout_s=connect_timeout_s, command_timeout_s=command_timeout_s
         )
+        self.client = self.connection.client
         self.ping_timeout_s = connect_timeout_s + command_timeout_s
         # EVALSHA, and on NOSCRIPT (a restarted or flushed Redis) SCRIPT LOAD and EVALSHA again
         self._admit_script = self.client.register_script(SCRIPT)
@@ -409,7 +410,7 @@ class RedisLimiter:
         """The connections without the heartbeat (:meth:`run` uses it): ``async with limiter.connected():``
         in the task that owns the limiter. The leases this process takes lapse after ``lease_s`` unless
         :meth:`renew` is called (a one-off tool, a test of a holder that stopped renewing)."""
-        async with self.client:
+        async with self.connection.open():
             self._connected = not self._closed
             try:
                 yield
@@ -459,7 +460,7 @@ class RedisLimiter:
                 if self._connected:
                     await ping_once()
                 else:
-                    async with self.client:
+                    async with self.connection.open():
                         await ping_once()
         except trio.TooSlowError:
             raise StoreError(f"no answer to PING within {self.ping_timeout_s:g}s") from None

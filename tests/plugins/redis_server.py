@@ -1,7 +1,7 @@
 """A throwaway redis-server for the tests that share rate limits through Redis (installed by
 ``scripts/sysdeps.sh``): loopback only, a free port, no persistence, files in a temporary folder; optionally
 with a password (``--requirepass``), an ACL user, or TLS only (a self-signed certificate made with the
-``openssl`` command). Also the helpers of those tests: the admissions' tasks in a nursery (:func:`running`) and
+``openssl`` command); a Sentinel that monitors one. Also the helpers of those tests: the admissions' tasks in a nursery (:func:`running`) and
 a raw coredis client to look at the server (:func:`raw_redis`)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import coredis
 import pytest
@@ -22,7 +23,7 @@ import trio
 from plugins.gateway_server import free_port
 
 from ratelimit.admission import Admission
-from ratelimit.redis_client import redis_client
+from ratelimit.redis_client import redis_connection
 
 
 def require_redis() -> None:
@@ -118,6 +119,42 @@ def start_redis(
     return proc, f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0"
 
 
+def start_sentinel(
+    folder: Path, primary_url: str, *, service: str = "mymaster", password: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a Redis Sentinel (``redis-server --sentinel``, its config file in ``folder``) that monitors the
+    server of ``primary_url`` as ``service`` (quorum 1; ``password``: the primary's), and wait (at most 10 s)
+    until it names the primary; returns the process and the ``redis+sentinel://127.0.0.1:PORT/<service>/0``
+    URL (with ``:password@`` when given). Stop it with :func:`stop_redis`."""
+    require_redis()
+    port = free_port()
+    conf = folder / f"sentinel-{port}.conf"
+    lines = [f"port {port}", "bind 127.0.0.1", f"dir {folder}"]
+    lines.append(f"sentinel monitor {service} 127.0.0.1 {redis_port(primary_url)} 1")
+    if password is not None:
+        lines.append(f"sentinel auth-pass {service} {password}")
+    conf.write_text("\n".join(lines) + "\n")
+    proc = subprocess.Popen(
+        ["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ask = f"*3\r\n$8\r\nSENTINEL\r\n$23\r\nGET-MASTER-ADDR-BY-NAME\r\n${len(service)}\r\n{service}\r\n"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(ask.encode())
+                if s.recv(64).startswith(b"*2"):
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("redis-server --sentinel did not start")
+        time.sleep(0.05)
+    auth = f":{quote(password, safe='')}@" if password is not None else ""
+    return proc, f"redis+sentinel://{auth}127.0.0.1:{port}/{service}/0"
+
+
 def stop_redis(proc: subprocess.Popen[bytes]) -> None:
     """Stop a server :func:`start_redis` started (SIGTERM, then SIGKILL after 5 s); waits until it is gone."""
     if proc.poll() is None:
@@ -159,6 +196,5 @@ async def running(*admissions: Admission) -> AsyncIterator[None]:
 @asynccontextmanager
 async def raw_redis(url: str) -> AsyncIterator[coredis.Redis[str]]:
     """A coredis client of ``url`` (text replies), to look at or stall the server from a test."""
-    client = redis_client(url)
-    async with client:
+    async with redis_connection(url).open() as client:
         yield client

@@ -1,7 +1,7 @@
 """The limiter's Redis connection against real redis-servers: a password (``requirepass``), an ACL user, TLS
 with a self-signed certificate (verified through ``ssl_ca_certs``, host name checked, a client certificate),
-a Unix socket; what is wrong (a bad password, a CA that did not sign the server's certificate, a URL the
-client cannot use) is a clear error at start and a 503 per request, never a hang or a 500."""
+a Unix socket, a Sentinel; what is wrong (a bad password, a CA that did not sign the server's certificate, a
+URL the client cannot use) is a clear error at start and a 503 per request, never a hang or a 500."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from plugins.redis_server import (
     running,
     self_signed,
     start_redis,
+    start_sentinel,
     stop_redis,
 )
 
@@ -28,7 +29,7 @@ from auth.principal import Principal
 from ratelimit.admission import Admission
 from ratelimit.core import Limits
 from ratelimit.errors import LimiterUnavailable, RateLimitExceeded, StoreError
-from ratelimit.redis_client import redis_client, tls_context
+from ratelimit.redis_client import redis_connection, tls_context
 from ratelimit.redis_limiter import RedisLimiter
 
 PASSWORD = "s3cret/with:odd@chars"  # percent-encoded in URLs
@@ -133,11 +134,30 @@ async def test_unix_socket(tmp_path):
         stop_redis(proc)
 
 
+async def test_sentinel_names_the_primary(tmp_path):
+    """``redis+sentinel://`` asks the Sentinel for the primary of the service and admits through it (with the
+    primary's password); a service the Sentinel does not monitor is refused with that reason. A failover is
+    not tested."""
+    proc, url = start_redis(tmp_path, extra=["--requirepass", PASSWORD])
+    sentinel = None
+    try:
+        sentinel, sentinel_url = start_sentinel(tmp_path, url, password=PASSWORD)
+        await exact_rpm(sentinel_url)
+        await refused_everywhere(
+            sentinel_url.replace("/mymaster/", "/nosuch/"), "No primary found for 'nosuch'"
+        )
+    finally:
+        if sentinel is not None:
+            stop_redis(sentinel)
+        stop_redis(proc)
+
+
 @pytest.mark.parametrize(
     ("url", "expect"),
     [
         ("http://127.0.0.1:6379", "scheme"),
-        ("redis+sentinel://127.0.0.1:26379/mymaster", "scheme"),
+        ("redis+cluster://127.0.0.1:7000", "scheme"),
+        ("redis+sentinel://127.0.0.1:26379", "service name"),
         ("redis://127.0.0.1:6379/0?ssl_ca_certs=/x.pem", "rediss://"),
         ("rediss://127.0.0.1:6379/0?ssl_ca_cert=/x.pem", "unknown query parameter(s) ssl_ca_cert"),
         ("rediss://127.0.0.1:6379/0?ssl_ca_certs=/nonexistent/ca.pem", "cannot load the TLS files"),
@@ -162,5 +182,5 @@ def test_tls_defaults_verify_and_check_the_host_name():
 
 
 def test_bounded_timeouts_reach_the_connections():
-    params = redis_client("redis://127.0.0.1:6379/3").connection_pool.connection_kwargs
+    params = redis_connection("redis://127.0.0.1:6379/3").client.connection_pool.connection_kwargs
     assert (params["connect_timeout"], params["stream_timeout"], params["db"]) == (5.0, 5.0, 3)
