@@ -14,8 +14,8 @@ parameter, before any SSE byte and before the backend sees it; one that passes i
    -> 400; linear in the schema's size. Recursive schemas that do describe something on the way (a tree
    node with a ``children`` array of nodes) are fine;
 3. then ``backend.grammar.check_grammar`` against the model's vocabulary (llguidance ``LLTokenizer``,
-   built on first use from the gateway's tokenizer): it compiles the grammar with llguidance's work
-   limits and walks a few steps of masks. Over ``timeout`` seconds -> 400 (the thread is abandoned; the
+   built on first use from the gateway's tokenizer, before the time limit starts): it compiles the
+   grammar with llguidance's work limits and walks a few steps of masks. Over ``timeout`` seconds -> 400 (the thread is abandoned; the
    work limits end it soon after).
 
 A grammar whose cost only shows deeper in the output than the walk goes can still fail during
@@ -131,7 +131,8 @@ class GrammarChecker:
 
         ``schemas``: more JSON Schemas inside the grammar (tool parameters) to check for ``$ref`` cycles,
         each with the parameter to name. The time limit counts from when a worker thread takes the check,
-        not the wait for one (a queue of other tenants' grammars never fails this one).
+        not the wait for one (a queue of other tenants' grammars never fails this one), nor the one-time load
+        of the model's vocabulary into llguidance.
         """
         if grammar.key in self._ok:
             self._ok.move_to_end(grammar.key)
@@ -151,15 +152,18 @@ class GrammarChecker:
             )
         problem: tuple[str | None, str] | None = None
         async with self._limiter:
-            with trio.move_on_after(self.timeout) as scope:
-                try:
+            try:
+                # the vocabulary loads once, outside the limit: it is the model's cost, not the grammar's (a
+                # 152k-token vocabulary takes seconds on a busy CPU)
+                await trio.to_thread.run_sync(self._llg_tokenizer)
+                with trio.move_on_after(self.timeout) as scope:
                     problem = await trio.to_thread.run_sync(
                         self._work, grammar, schemas, abandon_on_cancel=True
                     )
-                except G.GrammarUnavailable as exc:
-                    raise InvalidRequest(
-                        f"'{param}' is not supported: {exc}.", param=param, code="unsupported_parameter"
-                    ) from None
+            except G.GrammarUnavailable as exc:
+                raise InvalidRequest(
+                    f"'{param}' is not supported: {exc}.", param=param, code="unsupported_parameter"
+                ) from None
         if scope.cancelled_caught:
             raise InvalidRequest(
                 f"Invalid value for '{param}': the grammar did not compile within {self.timeout:g} s.",
