@@ -26,8 +26,9 @@ Reserved characters of a user name or password are percent-encoded (``%40`` for 
 ``ssl_certfile`` and ``ssl_keyfile`` (a client certificate, for ``tls-auth-clients yes``), ``ssl_cert_reqs``
 (``required``, the default; ``optional``; ``none``), ``ssl_check_hostname`` (``true``, the default, or
 ``false``). ``db`` is accepted by every scheme. Any other parameter is an error (a typo must not turn off
-verification silently). With Sentinel the pool asks the Sentinels for the primary's address and asks again when
-a connection to it fails (a failover); the Sentinels themselves take no password and no TLS here. Redis Cluster
+verification silently). With Sentinel the pool asks the Sentinels for the primary's address before each new
+connection, so after a failover the connections that fail are replaced by ones to the new primary; the
+Sentinels themselves take no password and no TLS here. Redis Cluster
 is not supported: the admission script touches the keys of a tenant and of its key in one call, which a cluster
 would need hash tags for.
 """
