@@ -68,11 +68,12 @@ class UsageLedger:
         self._send, self._recv = trio.open_memory_channel[dict[str, Any]](math.inf)
         self._done = trio.Event()
         self._pending = 0
-        self._idle = trio.Event()
-        self._idle.set()
         self._hurry: trio.CancelScope | None = None
         self._retry_at = math.inf  # trio time of the next spool replay (inf: nothing spooled)
         self._backoff = RETRY_MIN_S
+        self._cycles = 0  # write cycles done (a batch and/or a spool replay)
+        self._cycled = trio.Event()  # set (and replaced) after each
+        self._busy = False
 
     def record(self, row: dict[str, Any]) -> None:
         """Queue one ledger row (fields: ``auth.sql.USAGE_COLUMNS``; ``row_id`` is given here if absent)."""
@@ -80,7 +81,6 @@ class UsageLedger:
         try:
             self._send.send_nowait(row)
             self._pending += 1
-            self._idle = trio.Event() if self._idle.is_set() else self._idle
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             log.error("usage ledger closed; dropping a row for tenant %s", row.get("tenant_id"))
 
@@ -92,11 +92,17 @@ class UsageLedger:
         return await self.store.tokens_on_day(tenant_id=tenant_id, key_id=key_id, day=day)
 
     async def flush(self) -> None:
-        """Write every row queued so far now (no ``flush_s`` wait), and wait until it is written or spooled."""
-        if self._pending:
+        """Write every row queued so far now (no ``flush_s`` wait) and, with rows spooled, try the store for
+        them now (no backoff wait); returns when that is done (rows the store still refuses stay spooled)."""
+        spooled = self.spool is not None and self.spool.rows > 0
+        if not (self._pending or spooled) or self._done.is_set():
+            return
+        self._retry_at = min(self._retry_at, trio.current_time()) if spooled else self._retry_at
+        target = self._cycles + (2 if self._busy else 1)  # a cycle under way may have begun before this call
+        while not self._done.is_set() and (self._cycles < target or self._pending > 0):
             if self._hurry is not None:
                 self._hurry.cancel()
-            await self._idle.wait()
+            await self._cycled.wait()
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The writer task: adopt leftover spools, then write batches; returns when the channel is closed and
@@ -112,7 +118,12 @@ class UsageLedger:
                 closed = False
                 while not closed:
                     rows, closed = await self._collect()
+                    self._busy = True
                     await self._write(rows)
+                    self._busy = False
+                    self._cycles += 1
+                    self._cycled.set()
+                    self._cycled = trio.Event()
                 if self.spool is not None and self.spool.rows:
                     with trio.CancelScope(shield=True):
                         await self._replay()  # one last try
@@ -127,13 +138,14 @@ class UsageLedger:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self.spool.close)
             self._done.set()
+            self._cycled.set()
 
     async def _collect(self) -> tuple[list[dict[str, Any]], bool]:
         """The next batch and whether the channel has ended. Waits for a first row (or, with rows spooled, at
         most until the next retry), then up to ``flush_s`` for more."""
         rows: list[dict[str, Any]] = []
         try:
-            with trio.move_on_at(self._retry_at):
+            with trio.move_on_at(self._retry_at) as self._hurry:
                 rows.append(await self._recv.receive())
             if not rows:
                 return rows, False
@@ -159,10 +171,7 @@ class UsageLedger:
                     await self._to_spool(rows)
                 except Exception:
                     log.exception("usage ledger: failed to write %d rows", len(rows))
-            self._pending -= len(rows)
-            if self._pending <= 0:
-                self._pending = 0
-                self._idle.set()
+            self._pending = max(0, self._pending - len(rows))
 
     async def _to_spool(self, rows: list[dict[str, Any]]) -> None:
         spool = self.spool

@@ -270,6 +270,9 @@ ROUTES: tuple[Operation, ...] = (
               FREE_OBJECT, errors=(404,)),
     Operation("DELETE", f"{_TENANT}/leases", "Free the tenant's concurrency slots in every gateway", "admin",
               response=LeasesCleared, errors=(404,)),
+    Operation("GET", "/admin/v1/spend", "Tokens per tenant, key, model or day over a time range", "admin",
+              response=admin.Spend, errors=(400, 404, 503),
+              query=("since", "until", "tenant_id", "key_id", "model", "group_by")),
 )  # fmt: skip
 
 ERROR_TEXT = {
@@ -281,9 +284,11 @@ ERROR_TEXT = {
     409: "Tenant name already taken",
     413: "Request body too large",
     429: "Rate limited (rate_limit_exceeded) or daily quota spent (insufficient_quota)",
-    503: "No backend ready, draining, or the shared rate limiter unavailable",
+    503: "No backend ready, draining, the shared rate limiter or the tenancy store unavailable",
 }
-QUERY_TEXT = {"since": "UNIX seconds or ISO-8601 (UTC), inclusive", "until": "the same, exclusive"}
+QUERY_TEXT = {"since": "UNIX seconds or ISO-8601 (UTC), inclusive", "until": "the same, exclusive",
+              "tenant_id": "only this tenant's rows (id or name)", "key_id": "only this key's rows",
+              "model": "only this model's rows", "group_by": "tenant (default), key, model or day"}  # fmt: skip
 
 
 def error_statuses(op: Operation) -> tuple[int, ...]:

@@ -12,6 +12,7 @@
     GET    /tenants/{id}/usage?since=&until=         -> Usage
     GET    /tenants/{id}/filters  PUT any JSON (validated by gateway.filters.parse_config) -> the config
     DELETE /tenants/{id}/leases                      -> LeasesCleared (its concurrency slots freed, every gateway)
+    GET    /spend?since=&until=&tenant_id=&key_id=&model=&group_by=tenant|key|model|day -> Spend (tokens)
 
 ``{id}`` is a tenant id (``tn_...``) or its name. Every change invalidates the key cache, so it applies to the
 next request. The auth middleware checked the admin key already; each handler makes sure it did
@@ -50,6 +51,7 @@ from gateway.admin.schemas import (
     TenantPatch,
     Usage,
 )
+from gateway.admin.spend import spend
 from gateway.admin.times import expiry, parse_time
 from gateway.error_map import api_error
 from gateway.errors import APIError, InvalidRequest, NotFound
@@ -311,6 +313,9 @@ class AdminAPI:
         cleared, key_cleared = await self.tenants.clear_leases(t.id)
         return reply(LeasesCleared(tenant_id=t.id, cleared=cleared, key_leases_cleared=key_cleared))
 
+    async def spend(self, request: Request) -> Response:
+        return reply(await spend(self.tenants, request.query_params))
+
     def routes(self) -> list[BaseRoute]:
         """The admin routes; mount them under ``/admin/v1``."""
         table: list[tuple[str, str, Handler]] = [
@@ -331,6 +336,7 @@ class AdminAPI:
             ("GET", "/tenants/{tenant_id}/filters", self.get_filters),
             ("PUT", "/tenants/{tenant_id}/filters", self.put_filters),
             ("DELETE", "/tenants/{tenant_id}/leases", self.clear_leases),
+            ("GET", "/spend", self.spend),
         ]
         return [Route(path, self.guarded(fn), methods=[method]) for method, path, fn in table]
 

@@ -165,3 +165,29 @@ class Usage(Struct, kw_only=True):
     until: float | None
     totals: UsageTotals
     days: list[UsageDay]
+
+
+GroupBy = Literal["tenant", "key", "model", "day"]
+
+
+class SpendGroup(UsageTotals, kw_only=True):
+    """The sums of one group: ``group`` is the tenant id, key id, model name or UTC day (``YYYY-MM-DD``) of
+    its rows (null: rows without one, e.g. a request refused before a key was known)."""
+
+    group: str | None
+
+
+class Spend(Struct, kw_only=True):
+    """``GET /admin/v1/spend``: ledger sums of rows with ``since <= ts < until`` (UNIX seconds; null:
+    unbounded), filtered by the tenant, key and model given (null: all), one entry per ``group_by`` value in
+    ``data``: most tokens first (``day``: in date order). Tokens, not money."""
+
+    object: Literal["spend"] = "spend"
+    since: float | None
+    until: float | None
+    tenant_id: str | None
+    key_id: str | None
+    model: str | None
+    group_by: GroupBy
+    totals: UsageTotals
+    data: list[SpendGroup]
