@@ -1,6 +1,7 @@
 """The model runner: the only backend module that touches device tensors.
 
-It loads a model (GGUF file or Hugging Face directory), owns the paged KV pool,
+It loads a model (GGUF file or Hugging Face directory; the llama, qwen2, qwen3 and phi3 families), after
+checking that its weights fit the memory budget (``backend.loaders.memory``), owns the paged KV pool,
 turns the engine's ``SeqChunk`` list into flat device tensors + ``AttentionMetadata``
 each step, and runs the llama forward.
 
@@ -23,6 +24,7 @@ import torch
 from backend.allocator import tune_glibc_malloc
 from backend.attention.base import AttentionBackend, AttentionMetadata
 from backend.batch import SeqChunk
+from backend.loaders.memory import MemoryBudget
 from backend.models.llama import LlamaModel, LlamaWeights
 from backend.protocol import ModelCard
 
@@ -41,24 +43,27 @@ DEFAULT_KV_BYTES_CPU = 512 * 1024 * 1024  # fp32: ~11k tokens, more than SmolLM2
 DEFAULT_KV_BYTES_CUDA = 4 * 1024 * 1024 * 1024
 
 
-def load_weights(model_path: str | os.PathLike, *, keep_q4: bool = False) -> tuple[LlamaWeights, ModelCard]:
+def load_weights(
+    model_path: str | os.PathLike, *, keep_q4: bool = False, budget: MemoryBudget | None = None
+) -> tuple[LlamaWeights, ModelCard]:
     """Load a GGUF file or a Hugging Face model directory into float32 weights + a card.
 
-    ``keep_q4``: also keep the raw 4-bit codes of Q4_0/Q4_1 GGUF matrices (``LlamaWeights.q4``).
+    ``keep_q4``: also keep the raw 4-bit codes of Q4_0/Q4_1/Q4_K GGUF matrices (``LlamaWeights.q4``).
+    ``budget``: checked from the tensor shapes before any weight is read.
 
     Raises:
-        FileNotFoundError: the path does not exist.
-        ValueError: unsupported format or architecture.
+        FileNotFoundError: the path does not exist, or a file of an HF directory is missing.
+        ValueError: unsupported format or architecture, weights over the budget.
     """
     p = Path(model_path)
     if p.is_dir():
         from backend.loaders.hf import load_hf
 
-        return load_hf(p)
+        return load_hf(p, budget=budget)
     if p.is_file():
         from backend.loaders.gguf import load_gguf
 
-        return load_gguf(p, keep_q4=keep_q4)
+        return load_gguf(p, keep_q4=keep_q4, budget=budget)
     raise FileNotFoundError(f"model not found: {p}")
 
 
@@ -97,6 +102,8 @@ class ModelRunner:
         int4_max_rows: steps of at most this many tokens use packed int4 matmuls (4-bit GGUF on CPU only);
             ``None`` = 4 for bfloat16 on CPU, else 0 (off); more rows use the oneDNN-prepacked dense path
             (``backend.models.llama.onednn_pack``). Measured numbers in ``LlamaModel``'s docstring.
+        memory_budget: host-memory bytes the load may take (``None``: ``$GATEWAY_MEMORY_BUDGET`` or the
+            available RAM minus a margin; ``0``: no check). See ``backend.loaders.memory``.
         num_threads: ``torch.set_num_threads`` for this process (``None``: leave torch's default, one per
             core). On a CPU shared with other busy processes, 1 thread was ~3x faster than 2 (OpenMP
             barriers stall when a thread is descheduled); on an idle machine all cores are faster.
@@ -108,7 +115,8 @@ class ModelRunner:
         kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_kv_blocks, block_size, nkv, head_dim]``.
 
     Raises:
-        ValueError: bad dtype, block size or KV size (fewer than 1 block).
+        ValueError: bad dtype, block size or KV size (fewer than 1 block), a model that cannot load (see
+            ``load_weights``) or does not fit the memory budget (one line naming its size and the budget).
     """
 
     def __init__(
@@ -123,6 +131,7 @@ class ModelRunner:
         num_kv_blocks: int | None = None,
         int4_max_rows: int | None = None,
         num_threads: int | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -139,7 +148,15 @@ class ModelRunner:
             int4_max_rows = 4 if (self.device.type == "cpu" and self.dtype == torch.bfloat16) else 0
         if self.device.type != "cpu":
             int4_max_rows = 0
-        weights, card = load_weights(model_path, keep_q4=int4_max_rows > 0)
+        budget = None
+        if memory_budget != 0:
+            on_cpu = self.device.type == "cpu"
+            kv = 0 if (num_kv_blocks is not None or not on_cpu) else (kv_cache_bytes or DEFAULT_KV_BYTES_CPU)
+            elem = torch.tensor([], dtype=self.dtype).element_size() if on_cpu else 0
+            budget = MemoryBudget.for_load(dtype=_DTYPE_NAMES[self.dtype], compute_bytes=elem, extra_bytes=kv)
+            if memory_budget is not None:
+                budget.limit, budget.source = int(memory_budget), "the memory_budget given"
+        weights, card = load_weights(model_path, keep_q4=int4_max_rows > 0, budget=budget)
         self.config = weights.config
         self.model = LlamaModel(weights, device=self.device, dtype=self.dtype, int4_max_rows=int4_max_rows)
         del weights

@@ -1,9 +1,23 @@
-"""Load a llama-architecture GGUF file into float32 ``LlamaWeights`` + a ``ModelCard``.
+"""Load a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``, ``phi3``) into float32 ``LlamaWeights`` + a ``ModelCard``.
 
-Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/...),
-and renamed to Hugging Face ``LlamaForCausalLM`` names. llama.cpp's converter permutes the rows of
-``attn_q``/``attn_k`` for its interleaved (GPT-J style) RoPE; we un-permute them back to HF's rotate-half
+Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (every type it handles: F32, F16,
+BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, the IQ types, TQ1_0/TQ2_0, MXFP4), and renamed
+to Hugging Face ``LlamaForCausalLM`` names. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k``
+of ``llama`` files for its interleaved (GPT-J style) RoPE; we un-permute them back to HF's rotate-half
 layout (the inverse of ``convert_hf_to_gguf.LlamaModel.permute``, as transformers' GGUF loader does).
+``qwen2``/``qwen3``/``phi3`` files are written unpermuted (their llama.cpp RoPE is the NEOX, rotate-half kind).
+
+Per architecture (tensor names as in ``gguf.constants.MODEL_TENSORS``):
+
+* ``qwen2``: ``blk.N.attn_{q,k,v}.bias`` -> ``LlamaConfig.qkv_bias``;
+* ``qwen3``: ``blk.N.attn_{q,k}_norm.weight`` -> ``LlamaConfig.qk_norm``;
+* ``phi3``: the fused ``blk.N.attn_qkv.weight`` (``[(nh + 2 nkv) hd, H]``) is split into q/k/v, and the
+  fused ``blk.N.ffn_up.weight`` (``[2 I, H]``: gate rows, then up rows) into gate and up; a LongRoPE file
+  (``rope_factors_long.weight``) is refused; ``rope.dimension_count < head_dim`` is partial rotary.
+
+A file's other biases (``attn_output.bias``, ``ffn_*.bias``) are refused by name. A sliding window
+(``{arch}.attention.sliding_window``) shorter than the context caps the context length at the window, so
+no position ever attends past it.
 
 Every hyperparameter is read from the metadata (``{arch}.*`` keys): block count, widths, head counts,
 ``attention.key_length`` (head dim), RMS eps, ``rope.freq_base``, ``rope.dimension_count``,
@@ -12,17 +26,19 @@ as llama.cpp writes it) is kept as per-frequency divisors. ``output.weight`` is 
 otherwise the embedding is tied.
 
 Sources followed: GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md), llama.cpp
-``convert_hf_to_gguf.py``, transformers ``integrations/ggml.py`` / ``modeling_gguf_pytorch_utils.py``.
+``convert_hf_to_gguf.py`` and ``conversion/{llama,qwen,phi}.py``, gguf-py ``gguf/constants.py`` and
+``gguf/quants.py``, transformers ``integrations/ggml.py`` / ``modeling_gguf_pytorch_utils.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from backend.loaders.memory import MemoryBudget
 from backend.models.llama import LlamaConfig, LlamaWeights
 from backend.protocol import ModelCard
 
@@ -31,6 +47,8 @@ _LAYER_MAP = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
@@ -42,7 +60,10 @@ _GLOBAL_MAP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+#: architectures whose ``attn_q``/``attn_k`` rows llama.cpp's converter permutes (``LlamaModel.permute``)
+PERMUTED_ARCHS = ("llama",)
+_BIASED = ("attn_q", "attn_k", "attn_v")
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -62,24 +83,41 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def q4_groups(data: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Raw 4-bit codes of a Q4_0/Q4_1 tensor, for the int4 matmul path (``LlamaModel`` ``int4``).
+    """Raw 4-bit codes of a Q4_0/Q4_1/Q4_K tensor, for the int4 matmul path (``LlamaModel`` ``int4``).
 
     Args:
-        data: the tensor's bytes as ``GGUFReader`` gives them, ``[N, K/32 * block_bytes] uint8``.
+        data: the tensor's bytes as ``GGUFReader`` gives them, ``[N, K/QK * block_bytes] uint8``.
         qtype: its ``gguf.GGMLQuantizationType``.
 
     Returns:
         ``(codes [N, K] uint8 in 0..15, scale [N, K/32] float32, zero [N, K/32] float32)`` with
         ``w = (code - 8) * scale + zero`` (torch's int4pack convention; Q4_1: ``d*q + m`` gives
-        ``scale = d, zero = m + 8d``; Q4_0: ``d*(q-8)`` gives ``zero = 0``), or None for other types.
+        ``scale = d, zero = m + 8d``; Q4_0: ``d*(q-8)`` gives ``zero = 0``; Q4_K, per 32-weight sub-block
+        ``j`` of a 256-weight super-block: ``d*sc_j*q - dmin*m_j`` gives ``scale = d*sc_j``,
+        ``zero = 8*scale - dmin*m_j``, with the 6-bit ``sc``/``m`` unpacked as ``gguf.quants.Q4_K`` does), or
+        None for other types.
     """
     import gguf
 
     Q = gguf.GGMLQuantizationType
+    n = data.shape[0]
+    if qtype == Q.Q4_K:
+        blocks = np.ascontiguousarray(data).reshape(-1, 144)  # d, dmin (f16), scales[12], qs[128]
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [B, 8] each
+        scale = d * sc.astype(np.float32)
+        zero = 8.0 * scale - dmin * m.astype(np.float32)
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & 0x0F).reshape(n, -1)
+        return (
+            torch.from_numpy(np.ascontiguousarray(codes)),
+            torch.from_numpy(scale.reshape(n, -1).copy()),
+            torch.from_numpy(zero.reshape(n, -1).copy()),
+        )
     if qtype not in (Q.Q4_0, Q.Q4_1):
         return None
     bb = 20 if qtype == Q.Q4_1 else 18
-    n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, bb)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if qtype == Q.Q4_1:
@@ -117,17 +155,18 @@ def _file_type_name(ft: int | None) -> str | None:
 
 
 def read_gguf_config(reader) -> tuple[LlamaConfig, dict]:
-    """Build a ``LlamaConfig`` from a ``gguf.GGUFReader``'s metadata.
+    """Build a ``LlamaConfig`` from a ``gguf.GGUFReader``'s metadata (and its tensor names, for the flags).
 
     Returns:
         ``(config, meta)`` where ``meta`` holds the tokenizer / card fields.
 
     Raises:
-        ValueError: not a llama-architecture file, or required metadata missing.
+        ValueError: an unsupported architecture, rope scaling (phi3 LongRoPE, yarn) or bias tensor, or
+            required metadata missing.
     """
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {SUPPORTED_ARCHS})")
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
 
     def req(key: str):
         v = _field(reader, f"{arch}.{key}")
@@ -140,6 +179,16 @@ def read_gguf_config(reader) -> tuple[LlamaConfig, dict]:
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
     names = {t.name: t for t in reader.tensors}
+    for name in names:
+        parts = name.split(".")
+        if parts[-1] == "bias" and not (len(parts) == 4 and parts[0] == "blk" and parts[2] in _BIASED):
+            raise ValueError(
+                f"tensor '{name}' is not supported (biases are read on attn_q/attn_k/attn_v only)"
+            )
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+        raise ValueError(
+            "LongRoPE (tensor 'rope_factors_long.weight') is not supported: only plain RoPE phi3 files load"
+        )
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         toks = reader.fields.get("tokenizer.ggml.tokens")
@@ -155,6 +204,10 @@ def read_gguf_config(reader) -> tuple[LlamaConfig, dict]:
             raise ValueError(f"unsupported GGUF rope scaling type {st!r}")
         if "rope_freqs.weight" in names:
             scaling = None  # the freq factors tensor carries the scaling
+    context = int(_field(reader, f"{arch}.context_length", 2048))
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    if 0 < window < context:
+        context = window
     cfg = LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -166,9 +219,12 @@ def read_gguf_config(reader) -> tuple[LlamaConfig, dict]:
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_dim=int(_field(reader, f"{arch}.rope.dimension_count", head_dim)),
-        context_length=int(_field(reader, f"{arch}.context_length", 2048)),
+        context_length=context,
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        architecture=arch,
     )
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     stops: list[int] = []
@@ -189,24 +245,49 @@ def read_gguf_config(reader) -> tuple[LlamaConfig, dict]:
     return cfg, meta
 
 
-def load_gguf(path: str | Path, *, keep_q4: bool = False) -> tuple[LlamaWeights, ModelCard]:
-    """Read and dequantize a llama GGUF file.
+def _split_fused(
+    cfg: LlamaConfig, kind: str, ten: torch.Tensor, raw
+) -> Iterator[tuple[str, torch.Tensor, tuple]]:
+    """phi3's fused matrices as their llama parts: ``attn_qkv`` -> ``attn_q``/``attn_k``/``attn_v``,
+    ``ffn_up [2 I, H]`` -> ``ffn_gate`` (first ``I`` rows) and ``ffn_up``; any other tensor as it is.
+    ``raw`` (the ``q4_groups`` triple or None) is split along the same rows."""
+    if kind == "attn_qkv":
+        sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        kinds = ("attn_q", "attn_k", "attn_v")
+    elif kind == "ffn_up" and ten.shape[0] == 2 * cfg.intermediate_size:
+        sizes, kinds = [cfg.intermediate_size] * 2, ("ffn_gate", "ffn_up")
+    else:
+        yield kind, ten, raw
+        return
+    if ten.shape[0] != sum(sizes):
+        raise ValueError(f"fused tensor '{kind}' has {ten.shape[0]} rows, expected {sum(sizes)}")
+    parts = ten.split(sizes, 0)
+    raws = list(zip(*(r.split(sizes, 0) for r in raw))) if raw is not None else [None] * len(sizes)
+    yield from zip(kinds, parts, raws)
+
+
+def load_gguf(
+    path: str | Path, *, keep_q4: bool = False, budget: MemoryBudget | None = None
+) -> tuple[LlamaWeights, ModelCard]:
+    """Read and dequantize a llama-family GGUF file.
 
     Args:
         path: the ``.gguf`` file.
+        keep_q4: also keep the raw 4-bit codes of every Q4_0/Q4_1/Q4_K layer matrix in ``weights.q4``
+            (see ``q4_groups``; Q/K rows un-permuted like the float weights).
+        budget: checked against the tensors' sizes (from their shapes) before anything is dequantized.
 
     Returns:
         ``(weights, card)``: float32 CPU tensors in HF naming (see ``LlamaWeights``) and a ``ModelCard``
-        (name = the file's stem, context length, vocab size, BOS, stop ids = eos + eot + eom,
+        (name = the file's stem, architecture, context length, vocab size, BOS, stop ids = eos + eot + eom,
         ``tokenizer.chat_template``, quantization = the file type name, e.g. ``"Q4_1"``).
-        With ``keep_q4``, ``weights.q4`` also holds the raw 4-bit codes of every Q4_0/Q4_1 layer
-        matrix (see ``q4_groups``; Q/K rows un-permuted like the float weights).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a GGUF file (magic), a truncated or corrupt one, no tensors (a vocab-only file),
-            unsupported architecture, missing metadata or tensors, or a tensor of the wrong shape (the
-            message names the GGUF tensor: ``tensor 'blk.0.attn_q.weight' missing``).
+            unsupported architecture, missing metadata or tensors, a tensor of the wrong shape (the
+            message names the GGUF tensor: ``tensor 'blk.0.attn_q.weight' missing``), a tensor type
+            ``gguf`` cannot dequantize, or weights over the memory budget.
     """
     import gguf
 
@@ -225,11 +306,21 @@ def load_gguf(path: str | Path, *, keep_q4: bool = False) -> tuple[LlamaWeights,
     if not reader.tensors:
         raise ValueError("no tensors in the file (a vocab-only GGUF?): tensor 'token_embd.weight' missing")
     cfg, meta = read_gguf_config(reader)
+    Q = gguf.GGMLQuantizationType
+    if budget is not None:
+        n4 = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q4_K))
+        budget.check(sum(int(t.n_elements) for t in reader.tensors), n4 if keep_q4 else 0)
+    permuted = cfg.architecture in PERMUTED_ARCHS
     tensors: dict[str, torch.Tensor] = {}
     rope_freqs = None
     q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(
+                f"tensor '{t.name}' has type {t.tensor_type.name}, which gguf cannot dequantize"
+            ) from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.writeable:
             arr = arr.copy()
@@ -241,20 +332,20 @@ def load_gguf(path: str | Path, *, keep_q4: bool = False) -> tuple[LlamaWeights,
             tensors[_GLOBAL_MAP[t.name]] = ten
             continue
         parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_MAP and parts[3] == "weight":
-            i, kind = int(parts[1]), parts[2]
-            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
+        if not (len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias")):
+            continue  # other tensors (e.g. rope caches of old files) are ignored
+        i, leaf = int(parts[1]), parts[3]
+        raw = q4_groups(t.data, t.tensor_type) if keep_q4 and ten.dim() == 2 else None
+        for kind, part, part_raw in _split_fused(cfg, parts[2], ten, raw):
+            if kind not in _LAYER_MAP:
+                continue
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind) if permuted else None
             if heads:
-                ten = unpermute_qk(ten, heads)
-            name = f"model.layers.{i}.{_LAYER_MAP[kind]}.weight"
-            tensors[name] = ten
-            if keep_q4 and ten.dim() == 2:
-                raw = q4_groups(t.data, t.tensor_type)
-                if raw is not None:
-                    if heads:
-                        raw = tuple(unpermute_qk(r, heads) for r in raw)
-                    q4[name] = raw
-        # other tensors (e.g. rope caches of old files) are ignored
+                part = unpermute_qk(part, heads)
+            name = f"model.layers.{i}.{_LAYER_MAP[kind]}.{leaf}"
+            tensors[name] = part.contiguous()
+            if part_raw is not None:
+                q4[name] = tuple(unpermute_qk(r, heads).contiguous() for r in part_raw) if heads else part_raw
     check_tensors(cfg, tensors, display=gguf_tensor_name)
     card = ModelCard(
         name=path.stem,
@@ -277,11 +368,11 @@ def gguf_tensor_name(hf_name: str) -> str:
         if h == hf_name:
             return g
     parts = hf_name.split(".")
-    if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+    if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[-1] in ("weight", "bias"):
         module = ".".join(parts[3:-1])
         for g, h in _LAYER_MAP.items():
             if h == module:
-                return f"blk.{parts[2]}.{g}.weight"
+                return f"blk.{parts[2]}.{g}.{parts[-1]}"
     return hf_name
 
 
@@ -314,6 +405,13 @@ def check_tensors(
         want[p + "mlp.gate_proj.weight"] = (inter, H)
         want[p + "mlp.up_proj.weight"] = (inter, H)
         want[p + "mlp.down_proj.weight"] = (H, inter)
+        if cfg.qkv_bias:
+            want[p + "self_attn.q_proj.bias"] = (cfg.num_heads * hd,)
+            want[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * hd,)
+            want[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * hd,)
+        if cfg.qk_norm:
+            want[p + "self_attn.q_norm.weight"] = (hd,)
+            want[p + "self_attn.k_norm.weight"] = (hd,)
     for name, shape in want.items():
         if name not in tensors:
             raise ValueError(f"tensor '{display(name)}' missing")

@@ -1,30 +1,53 @@
-"""Load a Hugging Face ``LlamaForCausalLM`` directory into float32 ``LlamaWeights`` + a ``ModelCard``.
+"""Load a Hugging Face llama-family directory (llama, mistral, qwen2, qwen3, phi3) into float32 ``LlamaWeights`` + a ``ModelCard``.
 
-Expected files: ``config.json``, one or more ``*.safetensors`` (sharded files are all read; an
-index file is not needed), optionally ``tokenizer_config.json`` (``chat_template``, or a
-``chat_template.jinja`` file), ``generation_config.json`` (extra ``eos_token_id`` values).
+Files read: ``config.json``; the weights, ``model.safetensors.index.json``'s shards when the index is there
+(every listed shard must exist), else every ``*.safetensors``; optionally ``tokenizer_config.json``
+(``chat_template``, or a ``chat_template.jinja`` file) and ``generation_config.json`` (extra
+``eos_token_id`` values). ``tokenizer.json`` is the gateway's (``templating/``), not read here. A missing
+file is a one-line ``FileNotFoundError`` naming it and what to pass.
+
+The family comes from ``architectures`` (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``Phi3ForCausalLM``) or ``model_type``; the differences become ``LlamaConfig`` flags:
+q/k/v biases (``self_attn.{q,k,v}_proj.bias``: qwen2) -> ``qkv_bias``, ``self_attn.{q,k}_norm.weight``
+(qwen3) -> ``qk_norm``; phi3's fused ``self_attn.qkv_proj.weight`` and ``mlp.gate_up_proj.weight`` (gate rows
+first, as ``Phi3MLP`` chunks them) are split into the llama q/k/v and gate/up tensors. Refused with one
+line: any other bias (``attention_bias`` on llama/qwen3 adds an ``o_proj`` bias, ``mlp_bias``), a rope type
+other than default/linear/llama3 (phi3 ``longrope``, ``yarn``). A sliding window in use
+(``sliding_window`` with ``use_sliding_window`` on qwen2/qwen3, or set on mistral/phi3) caps the context at
+the window, where it changes nothing.
 
 Config keys read: ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
 ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``rope_theta``
 (or ``rope_parameters.rope_theta``, transformers >= 5), ``rope_scaling`` / ``rope_parameters``
-(``linear``, ``llama3``), ``max_position_embeddings``, ``tie_word_embeddings``, ``bos_token_id``,
-``eos_token_id`` (int or list).
+(``linear``, ``llama3``), ``partial_rotary_factor`` (phi3; top level or in ``rope_parameters``),
+``max_position_embeddings``, ``tie_word_embeddings``, ``bos_token_id``, ``eos_token_id`` (int or list).
 
-Source followed: transformers ``LlamaConfig`` and ``modeling_llama.py`` naming.
+Source followed: transformers ``Llama/Mistral/Qwen2/Qwen3/Phi3Config`` and ``modeling_*.py`` naming.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from backend.loaders.gguf import check_tensors
+from backend.loaders.memory import MemoryBudget
 from backend.models.llama import LlamaConfig, LlamaWeights
 from backend.protocol import ModelCard
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+_WINDOW_FLAG = {"qwen2": "use_sliding_window", "qwen3": "use_sliding_window"}
+_ROPE_TYPES = (None, "default", "none", "linear", "llama3")
+_PASS = "pass a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
 
 
 def _ids(v) -> list[int]:
@@ -35,15 +58,31 @@ def _ids(v) -> list[int]:
     return [int(v)]
 
 
-def read_hf_config(cfg: dict) -> LlamaConfig:
-    """``config.json`` dict -> ``LlamaConfig``.
+def model_family(cfg: dict) -> str:
+    """``config.json`` dict -> ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"`` or ``"phi3"``.
 
     Raises:
-        ValueError: not a llama model, or a required key missing.
+        ValueError: none of the supported architectures.
     """
-    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and cfg.get("model_type") != "llama":
-        raise ValueError(f"unsupported architectures {archs} (supported: {SUPPORTED_ARCHITECTURES})")
+    for a in cfg.get("architectures") or []:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    mt = cfg.get("model_type") or ("llama" if not cfg.get("architectures") else None)
+    if mt in ARCHITECTURES.values():
+        return mt
+    raise ValueError(
+        f"unsupported architectures {cfg.get('architectures')} / model_type {cfg.get('model_type')!r} in "
+        f"config.json (supported: {', '.join(ARCHITECTURES)})"
+    )
+
+
+def read_hf_config(cfg: dict) -> LlamaConfig:
+    """``config.json`` dict -> ``LlamaConfig`` (``qkv_bias``/``qk_norm`` are set from the tensors by ``load_hf``).
+
+    Raises:
+        ValueError: not a supported family, an unsupported rope type, or a required key missing.
+    """
+    family = model_family(cfg)
     try:
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -52,7 +91,18 @@ def read_hf_config(cfg: dict) -> LlamaConfig:
         scaling = cfg.get("rope_scaling") or None
         if scaling is None and rp and rp.get("rope_type", "default") != "default":
             scaling = dict(rp)
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if kind not in _ROPE_TYPES:
+            raise ValueError(
+                f"rope type {kind!r} (config.json rope_scaling/rope_parameters) is not supported "
+                "(default, linear, llama3)"
+            )
         head_dim = int(cfg.get("head_dim") or hidden // n_head)
+        partial = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        context = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window")
+        if window and cfg.get(_WINDOW_FLAG.get(family, ""), family in ("mistral", "phi3")):
+            context = min(context, int(window))
         return LlamaConfig(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -63,41 +113,104 @@ def read_hf_config(cfg: dict) -> LlamaConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            rope_dim=head_dim,
-            context_length=int(cfg.get("max_position_embeddings", 2048)),
+            rope_dim=int(head_dim * partial),
+            context_length=context,
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            architecture="llama" if family == "mistral" else family,
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
 
 
-def load_hf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
-    """Read an HF llama directory.
-
-    Returns:
-        ``(weights, card)``: float32 CPU tensors in HF naming and a ``ModelCard`` (name = directory name,
-        quantization = the checkpoint's ``torch_dtype``/``dtype``, e.g. ``"bfloat16"``).
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of an HF directory: the shards ``model.safetensors.index.json`` lists, else every
+    ``*.safetensors``.
 
     Raises:
-        FileNotFoundError: no ``config.json`` or no ``*.safetensors`` file.
-        ValueError: unsupported architecture, missing or misshapen tensors.
+        FileNotFoundError: a listed shard is missing, or there is no ``*.safetensors`` file.
     """
-    from safetensors.torch import load_file
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        for name in shards:
+            if not (path / name).is_file():
+                raise FileNotFoundError(
+                    f"{name} (listed in {index.name}) not found in {path}: download every shard"
+                )
+        if shards:
+            return [path / name for name in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}: {_PASS}")
+    return files
+
+
+def _fused_parts(cfg: LlamaConfig, name: str, ten: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """phi3's ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` as the llama q/k/v and gate/up tensors."""
+    hd = cfg.head_dim
+    if name.endswith("self_attn.qkv_proj.weight"):
+        sizes = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
+        new = ["q_proj", "k_proj", "v_proj"]
+        old = "qkv_proj"
+    elif name.endswith("mlp.gate_up_proj.weight"):
+        sizes, new, old = [cfg.intermediate_size] * 2, ["gate_proj", "up_proj"], "gate_up_proj"
+    else:
+        return [(name, ten)]
+    if ten.shape[0] != sum(sizes):
+        raise ValueError(f"tensor '{name}' has {ten.shape[0]} rows, expected {sum(sizes)}")
+    return [(name.replace(old, n), p.contiguous()) for n, p in zip(new, ten.split(sizes, 0))]
+
+
+def load_hf(path: str | Path, *, budget: MemoryBudget | None = None) -> tuple[LlamaWeights, ModelCard]:
+    """Read an HF llama-family directory.
+
+    Args:
+        path: the directory.
+        budget: checked against the tensors' sizes (from the safetensors headers) before any is read.
+
+    Returns:
+        ``(weights, card)``: float32 CPU tensors in HF llama naming and a ``ModelCard`` (name = directory
+        name, architecture = the family, quantization = the checkpoint's ``torch_dtype``/``dtype``, e.g.
+        ``"bfloat16"``).
+
+    Raises:
+        FileNotFoundError: no ``config.json``, no ``*.safetensors`` file or a shard of the index missing.
+        ValueError: unsupported architecture, rope type or bias, missing or misshapen tensors, weights over
+            the memory budget.
+    """
+    from safetensors import safe_open
 
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file} not found")
-    raw = json.loads(cfg_file.read_text())
+        raise FileNotFoundError(f"config.json not found in {path}: {_PASS}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{cfg_file.name} is not valid JSON: {exc}") from None
     cfg = read_hf_config(raw)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+    files = safetensors_files(path)
+    if budget is not None:
+        n = 0
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    n += math.prod(fh.get_slice(k).get_shape())
+        budget.check(n)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        for k, v in load_file(str(f)).items():
-            tensors[k] = v.to(torch.float32)
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                for name, ten in _fused_parts(cfg, k, fh.get_tensor(k).to(torch.float32)):
+                    tensors[name] = ten
+    for name in tensors:
+        if name.endswith(".bias") and not name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            raise ValueError(
+                f"tensor '{name}' is not supported (biases are read on q_proj/k_proj/v_proj only)"
+            )
+    cfg.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
+    cfg.qk_norm = "model.layers.0.self_attn.q_norm.weight" in tensors
     if "lm_head.weight" in tensors:
         if cfg.tie_word_embeddings and torch.equal(
             tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
@@ -127,7 +240,7 @@ def load_hf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
     bos = raw.get("bos_token_id")
     card = ModelCard(
         name=path.name,
-        architecture="llama",
+        architecture=cfg.architecture,
         context_length=cfg.context_length,
         vocab_size=cfg.vocab_size,
         bos_token_id=int(bos) if bos is not None else None,
@@ -136,5 +249,5 @@ def load_hf(path: str | Path) -> tuple[LlamaWeights, ModelCard]:
         quantization=raw.get("torch_dtype") or raw.get("dtype"),
         model_path=str(path),
     )
-    meta = {"architecture": "llama", "chat_template": template, "eos_token_ids": eos}
+    meta = {"architecture": cfg.architecture, "chat_template": template, "eos_token_ids": eos}
     return LlamaWeights(config=cfg, tensors=tensors, meta=meta), card

@@ -1,4 +1,4 @@
-"""Llama-architecture decoder forward over a flattened, paged-KV batch.
+"""Llama-family decoder forward over a flattened, paged-KV batch (llama, qwen2, qwen3, phi3).
 
 The model computes one engine step: ``T`` new tokens of several sequences,
 flattened (decode tokens first, then prefill chunks), with their absolute
@@ -8,6 +8,10 @@ positions. Per layer it writes the new K/V into the paged cache through an
 Weights arrive as a ``LlamaWeights``: a ``LlamaConfig`` plus a dict of float32
 CPU tensors in Hugging Face ``LlamaForCausalLM`` naming and layout (Q/K rows in
 HF "rotate-half" order, i.e. GGUF weights already un-permuted by the loader).
+The families differ only by config flags: ``qkv_bias`` (qwen2: biases on the q/k/v
+projections), ``qk_norm`` (qwen3: per-head RMSNorm of q and k before RoPE),
+``tie_word_embeddings``, ``rope_dim < head_dim`` (partial rotary); phi3's fused
+``qkv_proj`` / ``gate_up_proj`` are split by the loaders into the llama tensors.
 ``LlamaModel`` fuses them (QKV into one matrix, gate/up into one matrix), casts
 them to the compute dtype and moves them to the device.
 
@@ -16,7 +20,8 @@ stream is kept in float32 for every compute dtype, matmuls run in the compute
 dtype (float32 / bfloat16 / float16), attention accumulates in float32.
 
 Sources followed: HF transformers ``modeling_llama.py`` (RMSNorm, rotate-half
-RoPE, ``_compute_llama3_parameters``), llama.cpp ``convert_hf_to_gguf.py``
+RoPE, ``_compute_llama3_parameters``), ``modeling_qwen2.py`` (q/k/v bias),
+``modeling_qwen3.py`` (q/k norm), ``modeling_phi3.py`` (fused projections), llama.cpp ``convert_hf_to_gguf.py``
 (Q/K permutation, ``rope_freqs.weight``), nano-vllm's model runner.
 """
 
@@ -51,6 +56,10 @@ class LlamaConfig:
             ``{"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
             "original_max_position_embeddings"}``.
         tie_word_embeddings: the LM head reuses ``embed_tokens`` (no separate output matrix).
+        qkv_bias: the q/k/v projections have biases (``self_attn.{q,k,v}_proj.bias``; qwen2).
+        qk_norm: q and k are RMS-normalized per head (weights ``self_attn.{q,k}_norm.weight [head_dim]``,
+            epsilon ``rms_norm_eps``) before RoPE (qwen3).
+        architecture: the family name (``llama``, ``qwen2``, ``qwen3``, ``phi3``), for the card only.
     """
 
     vocab_size: int
@@ -66,6 +75,9 @@ class LlamaConfig:
     context_length: int = 2048
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
         if self.rope_dim == 0:
@@ -84,7 +96,9 @@ class LlamaWeights:
     optional ``lm_head.weight [V, H]`` (absent when tied), and per layer ``i``
     ``model.layers.{i}.input_layernorm.weight [H]``,
     ``.self_attn.{q,k,v,o}_proj.weight`` (``[nh*hd, H]``, ``[nkv*hd, H]``, ``[nkv*hd, H]``, ``[H, nh*hd]``),
-    ``.post_attention_layernorm.weight [H]``, ``.mlp.{gate,up}_proj.weight [I, H]``, ``.mlp.down_proj.weight [H, I]``.
+    ``.post_attention_layernorm.weight [H]``, ``.mlp.{gate,up}_proj.weight [I, H]``, ``.mlp.down_proj.weight [H, I]``;
+    with ``qkv_bias`` also ``.self_attn.{q,k,v}_proj.bias`` (``[nh*hd]``, ``[nkv*hd]``, ``[nkv*hd]``), with
+    ``qk_norm`` ``.self_attn.{q,k}_norm.weight [hd]``.
     ``rope_freqs`` (optional, ``[rope_dim/2]``): llama.cpp's per-frequency divisors (llama3 scaling in GGUF).
     ``q4`` (optional): for 4-bit GGUF matrices, tensor name -> ``(codes [N, K] uint8, scale [N, K/32] f32,
     zero [N, K/32] f32)`` with ``w = (code - 8) * scale + zero`` (``backend.loaders.gguf.q4_groups``).
@@ -171,7 +185,7 @@ class Linear:
     default since the prepacked bf16 path measured as fast at 1 row and faster at 8).
     """
 
-    __slots__ = ("w", "onednn", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
+    __slots__ = ("w", "b", "onednn", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
 
     def __init__(
         self,
@@ -183,8 +197,10 @@ class Linear:
         int4_max_rows: int = 0,
         prepack: bool = True,
         int8_small: bool = False,
+        bias: torch.Tensor | None = None,
     ):
         self.w = w.to(device=device, dtype=dtype).contiguous()
+        self.b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         self.onednn = onednn_pack(self.w) if prepack else None
         self.w8 = self.w8_scale = None
         if (
@@ -213,15 +229,16 @@ class Linear:
             self.sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` (compute dtype) -> ``[M, N]`` (compute dtype)."""
-        if x.shape[0] <= self.int4_max_rows:
+        """``x [M, K]`` (compute dtype) -> ``[M, N]`` (compute dtype), plus the bias ``b [N]`` if any."""
+        if x.shape[0] <= self.int4_max_rows and (self.packed is not None or self.w8 is not None):
             if self.packed is not None:
-                return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
-            if self.w8 is not None:
-                return torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w8_scale)
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w8_scale)
+            return y if self.b is None else y.add_(self.b)
         if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, None, "none", [], "")
-        return torch.mm(x, self.w.t())
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.b, "none", [], "")
+        return torch.mm(x, self.w.t()) if self.b is None else torch.addmm(self.b, x, self.w.t())
 
 
 def _cat_q4(parts):
@@ -285,10 +302,13 @@ class LlamaModel:
         q4 = weights.q4
         dev = self.device
 
-        def lin(names: list[str]) -> Linear:
+        def lin(names: list[str], bias: bool = False) -> Linear:
             w = torch.cat([t.pop(n) for n in names], 0) if len(names) > 1 else t.pop(names[0])
             q = _cat_q4([q4.pop(n, None) for n in names]) if self.int4_max_rows else None
-            return Linear(w, q, dtype=dtype, device=dev, int4_max_rows=self.int4_max_rows, prepack=prepack)
+            b = torch.cat([t.pop(n[: -len("weight")] + "bias") for n in names], 0) if bias else None
+            return Linear(
+                w, q, dtype=dtype, device=dev, int4_max_rows=self.int4_max_rows, prepack=prepack, bias=b
+            )
 
         def vec(x: torch.Tensor) -> torch.Tensor:  # norm weights stay float32
             return x.to(device=dev, dtype=torch.float32).contiguous()
@@ -305,12 +325,16 @@ class LlamaModel:
                             p + "self_attn.q_proj.weight",
                             p + "self_attn.k_proj.weight",
                             p + "self_attn.v_proj.weight",
-                        ]
+                        ],
+                        bias=cfg.qkv_bias,
                     ),
                     lin([p + "self_attn.o_proj.weight"]),
                     vec(t.pop(p + "post_attention_layernorm.weight")),
                     lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     lin([p + "mlp.down_proj.weight"]),
+                    (vec(t.pop(p + "self_attn.q_norm.weight")), vec(t.pop(p + "self_attn.k_norm.weight")))
+                    if cfg.qk_norm
+                    else None,
                 )
             )
         self.norm = vec(t["model.norm.weight"])
@@ -437,9 +461,9 @@ class LlamaModel:
             rot = self.rope_matrices(positions, max_pos)  # [T, hd, hd]
         else:
             cos, sin = self.rope_cos_sin(positions, max_pos)
-        for (ln1, qkv_w, o_w, ln2, gu_w, down_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for (ln1, qkv_w, o_w, ln2, gu_w, down_w, qk_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = F.rms_norm(x, (H,), ln1, eps).to(dtype)
-            qkv = qkv_w(h)
+            qkv = qkv_w(h) if qk_w is None else self._qk_norm(qkv_w(h), qk_w)
             if use_bmm:
                 # float32 on CPU: q stays float32 (the attention takes it as is), k is rounded on write
                 qk = torch.bmm(qkv[:, : qs + ks].view(T, nh + nkv, hd).to(rot.dtype), rot)
@@ -456,6 +480,19 @@ class LlamaModel:
             g, u = gu.chunk(2, dim=-1)
             x = x + down_w(F.silu(g) * u)
         return self._logits(x, logit_rows)
+
+    def _qk_norm(self, qkv: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Per-head RMSNorm of the q and k parts of ``qkv [T, (nh + 2 nkv) hd]`` (compute dtype), in float32
+        and rounded back to the compute dtype as HF ``Qwen3RMSNorm`` does; v is unchanged. Returns a new
+        contiguous ``[T, (nh + 2 nkv) hd]``."""
+        cfg = self.config
+        T, hd, qs, ks = qkv.shape[0], cfg.head_dim, self.q_size, self.kv_size
+        qk = qkv[:, : qs + ks].reshape(T, cfg.num_heads + cfg.num_kv_heads, hd).float()
+        q = F.rms_norm(qk[:, : cfg.num_heads], (hd,), norms[0], cfg.rms_norm_eps)
+        k = F.rms_norm(qk[:, cfg.num_heads :], (hd,), norms[1], cfg.rms_norm_eps)
+        return torch.cat(
+            [q.reshape(T, qs).to(qkv.dtype), k.reshape(T, ks).to(qkv.dtype), qkv[:, qs + ks :]], 1
+        )
 
     def _logits(self, x: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
         """Final RMSNorm + LM head of the selected rows of the residual stream ``x [T, H] float32``."""
@@ -485,9 +522,10 @@ class LlamaModel:
         cos, sin = self._rope_tables(max_pos)
         slots = meta.slot_mapping
         delta = None
-        for (ln1, qkv_w, o_w, ln2, gu_w, down_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for (ln1, qkv_w, o_w, ln2, gu_w, down_w, qk_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = kern.add_rms_norm(x, delta, ln1, eps, bf16)
-            q = kern.rope_write_kv(qkv_w(h), positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
+            qkv = qkv_w(h) if qk_w is None else self._qk_norm(qkv_w(h), qk_w)
+            q = kern.rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
             o = attn.forward(q, k_cache, v_cache, meta, self.scale)
             h = kern.add_rms_norm(x, o_w(o.reshape(T, self.q_size)), ln2, eps, bf16)
             delta = down_w(kern.silu_mul(gu_w(h)))
