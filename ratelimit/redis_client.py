@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import anyio
 import coredis
 import coredis.exceptions
 from coredis.connection import TCPLocation
@@ -193,11 +194,30 @@ def describe(exc: BaseException) -> str:
     return text[:300]
 
 
+# what a coredis call raises when the store fails: OSError (TimeoutError included), coredis' RedisError tree
+# (connection, authentication, error replies), anyio's stream errors of a connection that just closed
+FAILURES: tuple[type[Exception], ...] = (
+    OSError,
+    coredis.exceptions.RedisError,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    anyio.EndOfStream,
+)
+
+
 @contextmanager
 def store_errors() -> Iterator[None]:
-    """Turn what a coredis call raises when the store fails (``OSError`` incl. ``TimeoutError``, coredis'
-    ``RedisError`` tree: connection, authentication, error replies) into :class:`StoreError`."""
+    """Turn a failure of the store (:data:`FAILURES`, alone or as the only leaves of an exception group) into
+    :class:`StoreError`; anything else (cancellation included) passes unchanged."""
     try:
         yield
-    except (OSError, coredis.exceptions.RedisError) as e:
+    except FAILURES as e:
         raise StoreError(describe(e)) from e
+    except BaseExceptionGroup as group:
+        failures, rest = group.split(FAILURES)
+        if failures is None or rest is not None:
+            raise
+        first: BaseException = failures
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise StoreError(describe(first)) from group

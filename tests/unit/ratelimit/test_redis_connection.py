@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+import anyio
+import coredis.exceptions
 import pytest
 import trio
 from plugins.books import NullBook
@@ -29,7 +31,7 @@ from auth.principal import Principal
 from ratelimit.admission import Admission
 from ratelimit.core import Limits
 from ratelimit.errors import LimiterUnavailable, RateLimitExceeded, StoreError
-from ratelimit.redis_client import redis_connection, tls_context
+from ratelimit.redis_client import redis_connection, store_errors, tls_context
 from ratelimit.redis_limiter import RedisLimiter
 
 PASSWORD = "s3cret/with:odd@chars"  # percent-encoded in URLs
@@ -184,3 +186,25 @@ def test_tls_defaults_verify_and_check_the_host_name():
 def test_bounded_timeouts_reach_the_connections():
     params = redis_connection("redis://127.0.0.1:6379/3").client.connection_pool.connection_kwargs
     assert (params["connect_timeout"], params["stream_timeout"], params["db"]) == (5.0, 5.0, 3)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError("refused"),
+        TimeoutError("slow"),
+        coredis.exceptions.AuthenticationFailureError("bad password"),
+        anyio.BrokenResourceError(),
+        ExceptionGroup("pool", [ExceptionGroup("connection", [coredis.exceptions.ConnectionError("lost")])]),
+    ],
+)
+def test_a_failure_of_the_store_is_one_error(exc):
+    """What coredis raises when Redis fails, alone or as the only leaves of an exception group, is a
+    StoreError (admission: a 503); a bug is not hidden behind one."""
+    with pytest.raises(StoreError):
+        with store_errors():
+            raise exc
+    for bug in (ValueError("bug"), ExceptionGroup("pool", [OSError("x"), ValueError("bug")])):
+        with pytest.raises(type(bug)):
+            with store_errors():
+                raise bug
