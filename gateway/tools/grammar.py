@@ -3,7 +3,8 @@ call object (https://github.com/guidance-ai/llguidance ``docs/syntax.md``, ``x-g
 
 ``function_rules(tools, args_key)`` gives the rule ``fn`` (one call of any of ``tools``) and its
 alternatives: call objects ``{"name": const, <args_key>: <parameters>}`` in that member order, written
-``json.dumps``-style (``", "`` and ``": "``, no other whitespace). Nothing here raises.
+``json.dumps``-style (``", "`` and ``": "``, no other whitespace); ``named_rules(tools)`` the same for
+formats that write the name, then the arguments object alone. Nothing here raises.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from gateway.tools.spec import FunctionTool, relocate_refs
 
-__all__ = ["call_schema", "function_rules"]
+__all__ = ["call_schema", "function_rules", "named_rules"]
 
 # How arguments are written inside the grammar: json.dumps's default separators, no free whitespace.
 _JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -40,4 +41,15 @@ def function_rules(tools: Sequence[FunctionTool], args_key: str = "arguments") -
     rather than one ``anyOf``: each tool keeps its own ``lenient`` flag)."""
     lines = ["fn: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
     lines += [f"fn_{i}: %json {json.dumps(call_schema(t, args_key))}" for i, t in enumerate(tools)]
+    return lines
+
+
+def named_rules(tools: Sequence[FunctionTool]) -> list[str]:
+    """Lark lines for name-then-arguments calls: ``fn: fn_0 | ...`` and one ``fn_i: "NAME" %json {...}``
+    per tool, the arguments object written as in ``call_schema``."""
+    lines = ["fn: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
+    for i, t in enumerate(tools):
+        params = t.parameters if "type" in t.parameters else {"type": "object", **t.parameters}
+        schema = {**params, "x-guidance": {**_JSON_STYLE, "lenient": not t.strict}}
+        lines.append(f"fn_{i}: {json.dumps(t.name)} %json {json.dumps(schema)}")
     return lines

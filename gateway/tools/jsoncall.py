@@ -129,20 +129,25 @@ class JsonCallParser:
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = self.feed("")
         out = [content]
-        if self._mode == "body" and self._phase == "obj":
-            self._fail(out, len(self._buf))
-        elif self._mode == "body" and self._phase == "next":
-            self._incomplete = True
-        elif self._mode == "body" and self._phase == "open":  # "[" and nothing more
-            self._incomplete = self._incomplete or self._marked
-            out.append(self._lead + self._buf)
+        if self._mode == "body":
+            self._finish_body(out)
         elif self._mode == "start" and self._marked:  # a marker and nothing after it
             self._incomplete = True
             out.append(self._lead + self._buf)
-        elif self._mode != "body":
+        else:
             out.append(self._buf.lstrip(_WS) if self._after else self._buf)
         self._buf = ""
         return "".join(out), deltas
+
+    def _finish_body(self, out: list[str]) -> None:
+        """The output ended inside the calls."""
+        if self._phase == "obj":
+            self._fail(out, len(self._buf))
+        elif self._phase == "next":
+            self._incomplete = True
+        elif self._phase == "open":  # "[" and nothing more
+            self._incomplete = self._incomplete or self._marked
+            out.append(self._lead + self._buf)
 
     # -- start of the message, or right after a marker ------------------------------------------------
 
@@ -160,10 +165,9 @@ class JsonCallParser:
                     return True
                 if m.startswith(s):
                     return False  # maybe a marker: wait
-        if s[0] == "{" or (self._syn.array and s[0] == "["):
+        if self._opens_body(s):
             self._lead += ws
-            self._buf = s
-            self._mode = "body"
+            self._buf, self._mode, self._phase, self._pos = s, "body", self._first_phase, 0
             return True
         if self._marked:  # a marker followed by something that is not JSON: the marker is content
             self._incomplete = True
@@ -172,6 +176,12 @@ class JsonCallParser:
             self._buf = self._lead + self._buf
         self._lead, self._marked, self._mode = "", False, "text"
         return True
+
+    _first_phase = "open"  # the body's phase when it starts
+
+    def _opens_body(self, s: str) -> bool:
+        """``s`` (not empty, no leading whitespace, after the marker if any) starts the calls."""
+        return s[0] == "{" or (self._syn.array and s[0] == "[")
 
     # -- content --------------------------------------------------------------------------------------
 

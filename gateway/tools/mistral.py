@@ -1,21 +1,27 @@
-"""The Mistral tool-call format: ``[TOOL_CALLS]`` (a control token) then a JSON array of call objects
-``[{"name": NAME, "arguments": {...}}, ...]`` (mistral-common's v3 tokenizer format, used by Mistral 7B
-v0.3 and Mistral Nemo; the ``mistralai-Mistral-Nemo-Instruct-2407`` chat template renders history calls so,
-with an ``"id"`` member, and tool results as ``[TOOL_RESULTS]{"content": ..., "call_id": ...}[/TOOL_RESULTS]``).
-Documented in ``docs/tools.md`` ("Other families").
+"""The Mistral tool-call formats, both opened by the ``[TOOL_CALLS]`` control token. Documented in
+``docs/tools.md`` ("Other families").
+
+* ``mistral`` (mistral-common's v3 tokenizer: Mistral 7B v0.3, Mistral Nemo): a JSON array of call objects,
+  ``[TOOL_CALLS][{"name": NAME, "arguments": {...}}, ...]``; the ``mistralai-Mistral-Nemo-Instruct-2407``
+  template renders history calls so (with an ``"id"`` member) and results as
+  ``[TOOL_RESULTS]{"content": ..., "call_id": ...}[/TOOL_RESULTS]``.
+* ``mistral-v11`` (v11 and later: Mistral Small 3.2, Devstral, Ministral 3): each call is
+  ``[TOOL_CALLS]NAME[ARGS]{...}`` (``[CALL_ID]ID`` before ``[ARGS]`` in Small 3.2's history); chosen when
+  the template writes ``[ARGS]``.
+
+Both:
 
 * Call ids are 9 letters and digits: Mistral templates refuse a history call whose id is not
-  (``raise_exception("Tool call IDs should be alphanumeric strings with length 9!")``), so ids this
-  gateway hands out can be sent back.
-* ``MistralFormat.grammar``: ``tool_choice`` "required" is ``"[" call (", " call)* "]"`` (one call without
-  ``parallel_tool_calls``), a named function ``"[" call "]"``; each call ``{"name": const, "arguments":
-  <parameters>}`` (llguidance ``%json``, ``json.dumps`` spacing). The ``[TOOL_CALLS]`` control token is not
-  part of the grammar: a grammar matches text, and the detokenizer drops control tokens anyway. ``auto``
-  and ``none`` have no grammar.
-* ``MistralFormat.parser``: a ``JsonCallParser`` for the array (or one bare object), with or without the
-  marker; text before a visible marker is content. Without the marker, JSON that does not call an offered
-  function is content.
-* ``MistralFormat.render_history`` (a template without tools): the layout above, as text.
+  (``raise_exception("Tool call IDs should be alphanumeric strings with length 9!")``), so ids this gateway
+  hands out can be sent back.
+* ``grammar``: ``tool_choice`` "required" or named is the calls without their control tokens (a grammar
+  matches text, and the detokenizer drops control tokens anyway): ``"[" call (", " call)* "]"`` with calls
+  ``{"name": const, "arguments": <parameters>}`` (v3), or ``NAME <arguments>`` repeated (v11); one call for
+  a named function or without ``parallel_tool_calls``. llguidance ``%json``, ``json.dumps`` spacing.
+  ``auto`` and ``none`` have no grammar.
+* ``parser``: ``JsonCallParser`` (v3) or ``NamedCallParser`` (v11), with or without the visible markers;
+  text before a visible marker is content; without a marker only a call of an offered function counts.
+* ``render_history`` (a template without tools): the layouts above, as text.
 
 Raises only ``gateway.errors.InvalidRequest`` (``render_history``: a malformed history tool call).
 """
@@ -27,16 +33,19 @@ import secrets
 import string
 from typing import Any
 
-from gateway.tools.grammar import function_rules
+from gateway.tools.grammar import function_rules, named_rules
 from gateway.tools.history import dump_call, rewrite_history
 from gateway.tools.jsoncall import JsonCallParser, JsonCallSyntax
+from gateway.tools.namedcall import NamedCallParser, NamedCallSyntax
 from gateway.tools.parser import register_format
 from gateway.tools.spec import ToolPlan
 
-__all__ = ["MistralFormat", "SYNTAX", "TOOL_CALLS", "mistral_call_id"]
+__all__ = ["MistralFormat", "SYNTAX", "V11_SYNTAX", "TOOL_CALLS", "ARGS", "mistral_call_id"]
 
 TOOL_CALLS = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
 SYNTAX = JsonCallSyntax(markers=(TOOL_CALLS,), args_keys=("arguments",), array=True)
+V11_SYNTAX = NamedCallSyntax(marker=TOOL_CALLS, id_marker="[CALL_ID]", args_marker=ARGS)
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -50,9 +59,12 @@ def _call_object(name: str, args: Any) -> dict[str, Any]:
 
 
 class MistralFormat:
-    """``ToolFormat`` for Mistral models (see the module docstring)."""
+    """``ToolFormat`` for Mistral models (see the module docstring); ``v11``: the name-then-arguments
+    layout."""
 
-    name = "mistral"
+    def __init__(self, *, v11: bool = False) -> None:
+        self.v11 = v11
+        self.name = "mistral-v11" if v11 else "mistral"
 
     def preamble(self, plan: ToolPlan) -> str:
         """``[AVAILABLE_TOOLS][...][/AVAILABLE_TOOLS]`` (the signatures as one JSON array) and how to call;
@@ -60,10 +72,12 @@ class MistralFormat:
         if plan.mode == "none":
             return ""
         tools = json.dumps([t.signature() for t in plan.tools], ensure_ascii=False)
-        text = (
-            f"[AVAILABLE_TOOLS]{tools}[/AVAILABLE_TOOLS]\n\nTo call functions, answer with {TOOL_CALLS} and a "
-            'JSON array of {"name": <function-name>, "arguments": <args-json-object>} objects.'
+        how = (
+            f"{TOOL_CALLS}<function-name>{ARGS}<args-json-object> for each call"
+            if self.v11
+            else f'{TOOL_CALLS} and a JSON array of {{"name": <function-name>, "arguments": <args-json-object>}} objects'
         )
+        text = f"[AVAILABLE_TOOLS]{tools}[/AVAILABLE_TOOLS]\n\nTo call functions, answer with {how}."
         if plan.mode == "named":
             return f'{text}\n\nYou must call the function "{plan.named}" now.'
         if plan.mode == "required":
@@ -75,29 +89,54 @@ class MistralFormat:
         if plan.mode in ("none", "auto"):
             return None
         tools = [t for t in plan.tools if plan.mode != "named" or t.name == plan.named]
-        more = ' (", " fn)*' if plan.parallel and plan.mode != "named" else ""
-        return "\n".join(["%llguidance {}", f'start: "[" fn{more} "]"', *function_rules(tools)]) + "\n"
+        many = plan.parallel and plan.mode != "named"
+        if self.v11:
+            start, rules = "start: fn+" if many else "start: fn", named_rules(tools)
+        else:
+            more = ' (", " fn)*' if many else ""
+            start, rules = f'start: "[" fn{more} "]"', function_rules(tools)
+        return "\n".join(["%llguidance {}", start, *rules]) + "\n"
 
     def parser(self, plan: ToolPlan) -> JsonCallParser:
         """A fresh parser with 9-character ids; calls without ``[TOOL_CALLS]`` must name one of
         ``plan.tools``."""
-        return JsonCallParser(SYNTAX, frozenset(t.name for t in plan.tools), mistral_call_id)
+        names = frozenset(t.name for t in plan.tools)
+        if self.v11:
+            return NamedCallParser(V11_SYNTAX, names, mistral_call_id)
+        return JsonCallParser(SYNTAX, names, mistral_call_id)
 
     def render_history(self, messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
-        """Messages for a template without tools: an assistant's calls become ``[TOOL_CALLS][{...}, ...]``,
-        a ``tool`` result ``[TOOL_RESULTS]{"content": <text as a JSON string>}[/TOOL_RESULTS]`` in a ``user``
-        turn (consecutive results in one). Raises ``InvalidRequest`` as ``gateway.tools.history.dump_call``."""
+        """Messages for a template without tools: an assistant's calls become ``[TOOL_CALLS][{...}, ...]``
+        (v11: ``[TOOL_CALLS]NAME[ARGS]{...}`` per call), a ``tool`` result
+        ``[TOOL_RESULTS]{"content": <text as a JSON string>}[/TOOL_RESULTS]`` (v11: the text itself) in a
+        ``user`` turn, consecutive results in one. Raises ``InvalidRequest`` as
+        ``gateway.tools.history.dump_call``."""
         return rewrite_history(
             messages,
             self.preamble(plan) if plan is not None else "",
-            calls_text=lambda calls: (
-                TOOL_CALLS + "[" + ", ".join(dump_call(c, p, _call_object) for c, p in calls) + "]"
-            ),
-            result_text=lambda text: (
-                "[TOOL_RESULTS]" + json.dumps({"content": text}, ensure_ascii=False) + "[/TOOL_RESULTS]"
+            calls_text=self._v11_calls if self.v11 else self._v3_calls,
+            result_text=(lambda text: f"[TOOL_RESULTS]{text}[/TOOL_RESULTS]")
+            if self.v11
+            else (
+                lambda text: (
+                    "[TOOL_RESULTS]" + json.dumps({"content": text}, ensure_ascii=False) + "[/TOOL_RESULTS]"
+                )
             ),
             results_join="",
         )
 
+    @staticmethod
+    def _v3_calls(calls: list[tuple[Any, str]]) -> str:
+        return TOOL_CALLS + "[" + ", ".join(dump_call(c, p, _call_object) for c, p in calls) + "]"
+
+    @staticmethod
+    def _v11_calls(calls: list[tuple[Any, str]]) -> str:
+        parts = []
+        for c, p in calls:
+            obj = json.loads(dump_call(c, p, _call_object))
+            parts.append(f"{TOOL_CALLS}{obj['name']}{ARGS}{json.dumps(obj['arguments'], ensure_ascii=False)}")
+        return "".join(parts)
+
 
 register_format(MistralFormat())
+register_format(MistralFormat(v11=True))

@@ -119,7 +119,8 @@ def tool_format(template_source: str | None) -> ToolFormat:
     """The tool-call format for a model whose chat template is ``template_source`` (None: no template),
     chosen by what the template writes for an assistant's call (checked in this order):
 
-    1. ``"[TOOL_CALLS]"`` -> ``mistral`` (Mistral 7B v0.3, Nemo, Small, Devstral, Ministral);
+    1. ``"[TOOL_CALLS]"`` -> ``mistral-v11`` when it also writes ``"[ARGS]"`` (Mistral Small 3.2, Devstral,
+       Ministral 3), else ``mistral`` (Mistral 7B v0.3, Nemo);
     2. ``"<tool_call>"`` -> ``hermes`` (Qwen2/2.5/3, Hermes 2/3 even on Llama 3, SmolLM3, Granite 4...);
     3. ``"<|start_header_id|>"`` and ``'"parameters"'`` -> ``llama3`` (Llama 3.1/3.2/3.3 Instruct);
     4. anything else, or no template -> ``hermes`` (the gateway writes the tools into the prompt itself when
@@ -130,7 +131,7 @@ def tool_format(template_source: str | None) -> ToolFormat:
     """
     src = template_source or ""
     if "[TOOL_CALLS]" in src:
-        return _FORMATS["mistral"]
+        return _FORMATS["mistral-v11" if "[ARGS]" in src else "mistral"]
     if "<tool_call>" not in src and "<|start_header_id|>" in src and '"parameters"' in src:
         return _FORMATS["llama3"]
     return _FORMATS["hermes"]

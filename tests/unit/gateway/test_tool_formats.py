@@ -22,7 +22,7 @@ from gateway.tools import Llama3Format, MistralFormat, ToolCallDelta, parse_tool
 from gateway.tools.parser import CallsOnly
 from templating.tokenizer import load_tokenizer
 
-L, M = Llama3Format(), MistralFormat()
+L, M, V = Llama3Format(), MistralFormat(), MistralFormat(v11=True)
 WEATHER = {
     "type": "function",
     "function": {
@@ -61,9 +61,9 @@ EXPECTED_FORMAT = {
     "meta-llama-Llama-3.2-3B-Instruct": "llama3",
     "meta-llama-Llama-3.3-70B-Instruct": "llama3",
     "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
-    "Mistral-Small-3.2-24B-Instruct-2506": "mistral",
-    "mistralai-Ministral-3-14B-Reasoning-2512": "mistral",
-    "unsloth-mistral-Devstral-Small-2507": "mistral",
+    "Mistral-Small-3.2-24B-Instruct-2506": "mistral-v11",
+    "mistralai-Ministral-3-14B-Reasoning-2512": "mistral-v11",
+    "unsloth-mistral-Devstral-Small-2507": "mistral-v11",
     "Qwen-Qwen2.5-7B-Instruct": "hermes",
     "Qwen-Qwen3-0.6B": "hermes",
     "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": "hermes",  # a Llama 3 model trained on Hermes calls
@@ -84,23 +84,31 @@ def test_format_chosen_from_every_real_template(llama_cpp_models_dir):
 
 
 @pytest.mark.parametrize(
-    ("stem", "fmt"), [("meta-llama-Llama-3.2-3B-Instruct", L), ("mistralai-Mistral-Nemo-Instruct-2407", M)]
+    ("stem", "fmt"),
+    [
+        ("meta-llama-Llama-3.2-3B-Instruct", L),
+        ("mistralai-Mistral-Nemo-Instruct-2407", M),
+        ("Mistral-Small-3.2-24B-Instruct-2506", V),
+        ("unsloth-mistral-Devstral-Small-2507", V),
+    ],
 )
 def test_template_history_call_parses_back(llama_cpp_models_dir, stem, fmt):
     """What the family's own template writes for an assistant call is what the parser reads as that call."""
     src = (llama_cpp_models_dir / "templates" / f"{stem}.jinja").read_text()
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(ValueError(m))
+    env.globals["strftime_now"] = lambda fmt: "2026-01-02"
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     call = {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}}
     msgs = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny"},
     ]
     text = env.from_string(src).render(messages=msgs, tools=TOOLS, bos_token="<s>", eos_token="</s>")
     marker = "<|start_header_id|>assistant<|end_header_id|>\n\n" if fmt is L else "[/INST]"
     written = text.split(marker, 1)[1].split("<|eot_id|>" if fmt is L else "</s>", 1)[0]
+    assert written.startswith("{" if fmt is L else "[TOOL_CALLS]")
     assert run(fmt, [written]) == ("", [("get_weather", '{"city": "Paris"}')], False)
 
 
@@ -150,14 +158,14 @@ def accepts(tk, lt, grammar: str, text: str) -> bool:
     return m.consume_tokens(tk.encode_plain(text)) and m.is_accepting()
 
 
-@pytest.mark.parametrize("fmt", [L, M], ids=["llama3", "mistral"])
+@pytest.mark.parametrize("fmt", [L, M, V], ids=["llama3", "mistral", "mistral-v11"])
 @pytest.mark.parametrize(("choice", "parallel"), [("required", True), ("required", False), (NAMED, True)])
 def test_forced_grammars_validate_without_warnings(lt, fmt, choice, parallel):
     g = llg.LLMatcher.grammar_from_lark(fmt.grammar(plan(choice, parallel)))
     assert llg.LLMatcher.validate_grammar_with_warnings(g, lt) == (False, [])
 
 
-@pytest.mark.parametrize("fmt", [L, M], ids=["llama3", "mistral"])
+@pytest.mark.parametrize("fmt", [L, M, V], ids=["llama3", "mistral", "mistral-v11"])
 def test_auto_and_none_are_unconstrained(fmt):
     assert fmt.grammar(plan("auto")) is None and fmt.grammar(plan("none")) is None
 
@@ -194,10 +202,27 @@ def test_mistral_forced_calls(tk, lt):
     assert accepts(tk, lt, named, f"[{one}]") and not accepts(tk, lt, named, f"[{two}]")
 
 
-@pytest.mark.parametrize("fmt", [L, M], ids=["llama3", "mistral"])
+def test_mistral_v11_forced_calls(tk, lt):
+    g = V.grammar(plan("required"))
+    one, two = f"get_weather{json.dumps(PARIS)}", "now-2{}"
+    for ok in (one, one + two, f"get_weather{json.dumps(ODD, ensure_ascii=False)}"):
+        assert accepts(tk, lt, g, ok), ok
+    for bad in (f"[TOOL_CALLS]{one}", "get_weather[ARGS]{}", "get_weather{}", f"{one} {two}", "Sure"):
+        assert not accepts(tk, lt, g, bad), bad
+    single = V.grammar(plan("required", parallel=False))
+    assert accepts(tk, lt, single, one) and not accepts(tk, lt, single, one + two)
+    named = V.grammar(plan(NAMED))
+    assert accepts(tk, lt, named, one) and not accepts(tk, lt, named, two)
+
+
+@pytest.mark.parametrize("fmt", [L, M, V], ids=["llama3", "mistral", "mistral-v11"])
 def test_forced_grammar_output_parses(tk, lt, fmt):
     """Text a forced grammar accepts, tokenized and detokenized, comes out of the parser as its call."""
-    text = lcall("get_weather", ODD) if fmt is L else f"[{lcall('get_weather', ODD, 'arguments')}]"
+    text = {
+        "llama3": lcall("get_weather", ODD),
+        "mistral": f"[{lcall('get_weather', ODD, 'arguments')}]",
+        "mistral-v11": f"get_weather{json.dumps(ODD, ensure_ascii=False)}",
+    }[fmt.name]
     assert accepts(tk, lt, fmt.grammar(plan("required", parallel=False)), text)
     detok = IncrementalDetokenizer.for_tokenizer(tk)
     chunks = [detok.feed(i) for i in tk.encode_plain(text)] + [detok.flush()]
@@ -209,6 +234,7 @@ def test_forced_grammar_output_parses(tk, lt, fmt):
 # ---------------------------------------------------------------------------------------------------
 
 IDS = {"llama3": re.compile(r"call_[A-Za-z0-9]{24}"), "mistral": re.compile(r"[A-Za-z0-9]{9}")}
+IDS["mistral-v11"] = IDS["mistral"]
 
 
 def run(fmt, chunks: list[str], p=None) -> tuple[str, list[tuple[str, str]], bool]:
@@ -308,7 +334,34 @@ MISTRAL_OUTPUTS = {
     "marker alone": ("[TOOL_CALLS]", "[TOOL_CALLS]", [], True),
     "unparsable": ('[TOOL_CALLS][{"name" 1}] x', '[TOOL_CALLS][{"name" 1}x', [], True),
 }
-CASES = [(L, k, *v) for k, v in LLAMA_OUTPUTS.items()] + [(M, k, *v) for k, v in MISTRAL_OUTPUTS.items()]
+V11_OUTPUTS = {
+    "text": ("Hello world, get_weather is sunny", "Hello world, get_weather is sunny", [], False),
+    "call": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [W], False),
+    "two calls": (
+        f"[TOOL_CALLS]get_weather[ARGS]{ODD_JSON}[TOOL_CALLS]now-2[ARGS]{{}}",
+        "",
+        [("get_weather", ODD_JSON), ("now-2", "{}")],
+        False,
+    ),
+    "call id": ('[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris"}', "", [W], False),
+    "markers dropped": ('get_weather{"city": "Paris"}now-2{}', "", [W, ("now-2", "{}")], False),
+    "id marker dropped": ('get_weatherabcDEF123{"city": "Paris"}', "", [W], False),
+    "text first": ("Sure. [TOOL_CALLS]now-2[ARGS]{} Done", "Sure.Done", [("now-2", "{}")], False),
+    "a word like a name": ("now-2x is late", "now-2x is late", [], False),
+    "name alone": ("now-2", "now-2", [], False),
+    "unknown name": ('rm_rf{"a": 1}', 'rm_rf{"a": 1}', [], False),
+    "unknown name, marked": ("[TOOL_CALLS]rm_rf[ARGS]{}", "", [("rm_rf", "{}")], False),
+    "marker, no name": ("[TOOL_CALLS] sorry", "[TOOL_CALLS] sorry", [], True),
+    "marker alone": ("[TOOL_CALLS]", "[TOOL_CALLS]", [], True),
+    "cut in args": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "", [("get_weather", '{"city": "Pa')], True),
+    "bad json": ('[TOOL_CALLS]get_weather[ARGS]{"city": }', "", [("get_weather", '{"city": }')], True),
+    "cut in name": ("[TOOL_CALLS]get_wea", "[TOOL_CALLS]get_wea", [], True),
+}
+CASES = (
+    [(L, k, *v) for k, v in LLAMA_OUTPUTS.items()]
+    + [(M, k, *v) for k, v in MISTRAL_OUTPUTS.items()]
+    + [(V, k, *v) for k, v in V11_OUTPUTS.items()]
+)
 
 
 @pytest.mark.parametrize(
@@ -346,11 +399,13 @@ JSON = st.recursive(
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.dictionaries(st.text(max_size=5), JSON, max_size=3), min_size=1, max_size=3), st.data())
 def test_generated_calls_round_trip(args_list, data):
-    fmt = data.draw(st.sampled_from([L, M]))
+    fmt = data.draw(st.sampled_from([L, M, V]))
     if fmt is L:
         text = "; ".join(lcall("now-2", a) for a in args_list)
-    else:
+    elif fmt is M:
         text = "[TOOL_CALLS][" + ", ".join(lcall("now-2", a, "arguments") for a in args_list) + "]"
+    else:
+        text = "".join("[TOOL_CALLS]now-2[ARGS]" + json.dumps(a, ensure_ascii=False) for a in args_list)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     assert run(fmt, chunks) == ("", [("now-2", json.dumps(a, ensure_ascii=False)) for a in args_list], False)
@@ -444,7 +499,15 @@ def test_mistral_history_and_preamble():
     assert run(M, [out[2]["content"]]) == ("", [W], False)
 
 
-@pytest.mark.parametrize("fmt", [L, M], ids=["llama3", "mistral"])
+def test_mistral_v11_history():
+    out = V.render_history(HISTORY, None)
+    assert out[2]["content"] == '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    assert out[3]["content"] == '[TOOL_RESULTS]sunny[/TOOL_RESULTS][TOOL_RESULTS]rain "later"[/TOOL_RESULTS]'
+    assert run(V, [out[2]["content"]]) == ("", [W], False)
+    assert "[TOOL_CALLS]<function-name>[ARGS]" in V.preamble(plan())
+
+
+@pytest.mark.parametrize("fmt", [L, M, V], ids=["llama3", "mistral", "mistral-v11"])
 def test_history_rejects_malformed_calls(fmt):
     bad = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]
     with pytest.raises(InvalidRequest) as e:
