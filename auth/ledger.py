@@ -109,10 +109,15 @@ class UsageLedger:
         drained (the spool written, or left on disk when the store is down)."""
         try:
             if self.spool_dir is not None:
-                self.spool = await trio.to_thread.run_sync(
-                    lambda: Spool(self.spool_dir, max_rows=self.spool_max_rows)
-                )
-                await self._adopt()
+                folder = self.spool_dir
+                try:
+                    self.spool = await trio.to_thread.run_sync(
+                        lambda: Spool(folder, max_rows=self.spool_max_rows)
+                    )
+                except OSError as e:
+                    log.error("usage ledger: no spool (%s): rows written while the store is down are lost", e)
+                else:
+                    await self._adopt()
             task_status.started()
             async with self._recv:
                 closed = False
