@@ -35,6 +35,7 @@ would need hash tags for.
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 from collections.abc import AsyncIterator, Iterator
@@ -50,6 +51,11 @@ from coredis.connection import TCPLocation
 from coredis.retry import NoRetryPolicy
 
 from .errors import StoreError
+
+# coredis logs each connection the server closed at INFO, with an empty stack ("Connection closed
+# unexpectedly!" / "NoneType: None"): a Redis restart would print that per connection. The limiter and the
+# admission say what an outage means, once per outage; coredis' warnings and errors still show.
+logging.getLogger("coredis").setLevel(logging.WARNING)
 
 CONNECT_TIMEOUT_S = 5.0  # seconds a new connection (TCP, TLS handshake, HELLO/AUTH) may take
 COMMAND_TIMEOUT_S = 5.0  # seconds a reply may take (the admission's store timeout bounds a call as well)
