@@ -2,7 +2,9 @@
 
 Check-and-reserve of all dimensions is ONE Lua script (``EVALSHA``): Redis runs a script atomically, so two
 processes can never both pass a check for the last unit (no check-then-increment race), and a request is
-reserved in every dimension or in none. The clock is the Redis server's ``TIME`` so all processes agree.
+reserved in every dimension or in none. The clock is the Redis server's ``TIME`` so all processes agree. The
+connection is coredis' (:mod:`ratelimit.redis_client`: URLs, TLS, passwords, timeouts); its pool lives in the
+task of :meth:`RedisLimiter.run`.
 
 Concurrency slots are *leases*: a sorted set per scope (``<prefix>t:<tenant>:conc``), member = the request's
 unique member, score = the lease's expiry (Redis time, seconds). The acquire script drops the expired members
