@@ -25,11 +25,13 @@ plain socket).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,10 @@ from plugins.postgres_server import (
 from plugins.redis_server import redis_port, require_redis, start_redis, stop_redis
 
 BACKEND_START_S = 300.0  # seconds the shared backend gets to load the model (slow shared machines)
+# the gateways' ledger (docs/tenancy.md): a row waits at most LEDGER_FLUSH_S for its batch of at most
+# LEDGER_BATCH rows, which bounds what a crash loses; each gateway spools in a folder of its own
+LEDGER_FLUSH_S = 0.5
+LEDGER_BATCH = 512
 
 
 class SharedStore(Protocol):
@@ -134,6 +140,7 @@ class PostgresStore:
 
     def close(self) -> None:
         stop_postgres(self.handle)
+        shutil.rmtree(self.handle.data.parent, ignore_errors=True)
 
 
 def open_store(folder: Path) -> SharedStore:
@@ -141,11 +148,19 @@ def open_store(folder: Path) -> SharedStore:
     not installed), or one SQLite file when ``LLM_GATEWAY_CLUSTER_STORE=sqlite``."""
     if os.environ.get("LLM_GATEWAY_CLUSTER_STORE", "postgresql") == "sqlite":
         return SqliteStore(folder / "cluster.sqlite")
-    handle, url = start_postgres(folder / "postgres")
+    # not under pytest's base temp folder: every pytest start on the machine makes it 0700 again, and the
+    # postgres user could then no longer reach its data folder to stop or restart the server
+    pg_folder = Path(tempfile.mkdtemp(prefix="llmgw-cluster-pg-"))
+    try:
+        handle, url = start_postgres(pg_folder)
+    except BaseException:
+        shutil.rmtree(pg_folder, ignore_errors=True)
+        raise
     try:
         return PostgresStore(handle, create_database(url))
     except BaseException:
         stop_postgres(handle)
+        shutil.rmtree(pg_folder, ignore_errors=True)
         raise
 
 
@@ -251,7 +266,11 @@ class Cluster:
 
     def start_node(self, name: str) -> GatewayProc:
         """Start gateway ``name`` on the shared store, Redis and backend; returns once its /readyz is 200."""
-        args = ("--db", self.store.db_arg(), "--redis-url", self.redis_url, "--backend-url", self.backend.url)
+        args = (
+            *("--db", self.store.db_arg(), "--redis-url", self.redis_url, "--backend-url", self.backend.url),
+            *("--ledger-flush-s", str(LEDGER_FLUSH_S), "--ledger-batch", str(LEDGER_BATCH)),
+            *("--ledger-spool-dir", str(self.folder / f"spool-{name}")),
+        )
         self.nodes[name] = start_gateway(*args, dtype=None)
         return self.nodes[name]
 

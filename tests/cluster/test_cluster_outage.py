@@ -58,7 +58,14 @@ async def first_ok(answers: list[Answer], node: str, since: float, deadline: flo
         ok = [a.done for a in answers if a.node == node and a.sent >= since and a.status == 200]
         if ok:
             return min(ok) - since
-        assert time.monotonic() < deadline, f"{node}: no 200 within {deadline - since:.1f}s of the restart"
+        seen = [
+            (round(a.sent - since, 2), a.status, code_of(a))
+            for a in answers
+            if a.node == node and a.sent >= since
+        ]
+        assert time.monotonic() < deadline, (
+            f"{node}: no 200 within {deadline - since:.1f}s of the restart: {seen}"
+        )
         await trio.sleep(0.02)
 
 
@@ -110,10 +117,13 @@ async def test_store_then_redis_stopped_during_traffic(cluster: Cluster):
             assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, (r.status_code, r.text[:300])
             assert time.monotonic() - since < RECOVERY_BOUND_S, "the admin API did not come back"
             await trio.sleep(0.05)
-        measured["admin API back after the store restart"] = time.monotonic() - since
-        r = await c.get(b.base_url + "/v1/models", headers={"authorization": f"Bearer {r.json()['key']}"})
-        assert r.status_code == 200, r.text[:300]
-        measured["a new key works on B after the store restart"] = time.monotonic() - since
+        measured["admin API of A back after the store restart"] = time.monotonic() - since
+        new_key = {"authorization": f"Bearer {r.json()['key']}"}
+        while (r := await c.get(b.base_url + "/v1/models", headers=new_key)).status_code != 200:
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, (r.status_code, r.text[:300])
+            assert time.monotonic() - since < RECOVERY_BOUND_S, "B did not look keys up again"
+            await trio.sleep(0.05)
+        measured["a key new to B works on B after the store restart"] = time.monotonic() - since
 
     windows: dict[str, tuple[float, float]] = {}
     limits = httpx.Limits(max_connections=32)
