@@ -271,6 +271,13 @@ def read_gguf_metadata(path: Path) -> dict[str, object]:
         return meta
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """``"left right"`` -> ``("left", "right")``; llama.cpp cuts at the first space after the first character
+    (a left part may itself be a space)."""
+    cut = merge.find(" ", 1)
+    return (merge[:cut], merge[cut + 1 :]) if cut > 0 else (merge, "")
+
+
 @dataclass(frozen=True)
 class GGUFVocab:
     """The tokenizer keys of a GGUF file, with llama.cpp's defaults filled in (``llama_vocab::impl::load``).
@@ -342,12 +349,7 @@ class GGUFVocab:
                 raise TokenizerError(
                     f"GGUF file has no tokenizer.ggml.merges (needed by tokenizer model {model!r})"
                 )
-            for m in raw_merges:  # llama.cpp: the separator is the first space after the first character
-                if m[:1] != " " and (pair := m.split(" ", 1)) and len(pair) == 2:
-                    merges.append((pair[0], pair[1]))
-                else:
-                    cut = m.find(" ", 1)
-                    merges.append((m[:cut], m[cut + 1 :]) if cut > 0 else (m, ""))
+            merges = [_merge_pair(m) for m in raw_merges]
 
         def tid(key: str) -> int | None:
             v = meta.get(f"tokenizer.ggml.{key}_token_id")

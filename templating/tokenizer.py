@@ -279,14 +279,11 @@ def _finish(
     for s, i in tok.get_vocab(with_added_tokens=True).items():  # one call, not n id_to_token calls
         if 0 <= i < n:
             strings[i] = s
-    table: list[bytes] = []
-    for i, s in enumerate(strings):
-        if s is None:
-            table.append(b"")
-        elif i in special:
-            table.append(_byte_level_token_bytes(s) if byte_level else s.encode("utf-8"))
-        else:
-            table.append(conv(s))
+    table = [conv(s) if s is not None else b"" for s in strings]
+    for i in special:  # a special token stands for its own text
+        s = strings[i] if 0 <= i < n else None
+        if s is not None:
+            table[i] = _byte_level_token_bytes(s) if byte_level else s.encode("utf-8")
     return TextTokenizer(
         plain=tok,
         vocab_size=n,
