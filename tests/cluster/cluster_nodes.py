@@ -55,6 +55,9 @@ BACKEND_START_S = 300.0  # seconds the shared backend gets to load the model (sl
 # LEDGER_BATCH rows, which bounds what a crash loses; each gateway spools in a folder of its own
 LEDGER_FLUSH_S = 0.5
 LEDGER_BATCH = 512
+SQLITE_KEY_CACHE_S = (
+    0.5  # --key-cache-s of the gateways on a shared SQLite file (the default 1 s is the bound)
+)
 
 
 class SharedStore(Protocol):
@@ -270,6 +273,8 @@ class Cluster:
             *("--db", self.store.db_arg(), "--redis-url", self.redis_url, "--backend-url", self.backend.url),
             *("--ledger-flush-s", str(LEDGER_FLUSH_S), "--ledger-batch", str(LEDGER_BATCH)),
             *("--ledger-spool-dir", str(self.folder / f"spool-{name}")),
+            # SQLite has no change feed: only the key cache's TTL bounds how long a change takes to arrive
+            *(("--key-cache-s", str(SQLITE_KEY_CACHE_S)) if self.store.kind == "sqlite" else ()),
         )
         self.nodes[name] = start_gateway(*args, dtype=None)
         return self.nodes[name]

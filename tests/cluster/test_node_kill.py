@@ -125,12 +125,14 @@ async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(clust
                 finished[r.json()["id"]] = time.monotonic()
                 progress()
 
+        t_start = time.monotonic()
         async with trio.open_nursery() as nursery:
             for _ in range(STREAMS):
                 nursery.start_soon(stream_on_a)
             nursery.start_soon(finisher_on_a)
             with trio.fail_after(60):
                 await running.wait()
+            t_running = time.monotonic()
 
             await serving(c, b.base_url, b.headers(), b.model)  # B serves while A runs its streams
             r = await c.post(b.base_url + "/v1/chat/completions", json=chat(b, 1), headers=streams_t.headers)
@@ -164,7 +166,8 @@ async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(clust
         f"A killed during {STREAMS} streams ({sorted(set(cut))}); full concurrency back on B after "
         f"{lapse_s:.2f}s ({len(waits)} 429s, retry-after-ms {min(waits, default=0)}..{max(waits, default=0)}); ledger: {len(finished)} finished on A, "
         f"{len(finished) - len(lost)} rows written, {len(lost)} lost (finished {sorted(lost.values())} s before "
-        f"the kill); rows of A's cut streams: {len(cut_rows)}"
+        f"the kill); rows of A's cut streams: {len(cut_rows)}; traffic on A running after "
+        f"{t_running - t_start:.1f}s, killed after {t_kill - t_start:.1f}s"
     )
     assert waits, "the slots were free before A's leases could lapse"
     assert lapse_s <= LEASE_BOUND_S
