@@ -131,6 +131,9 @@ class TextTokenizer:
             GGUF ``tokenizer.ggml.add_bos_token`` with llama.cpp's per-kind default, HF
             ``tokenizer_config.json`` or the ``tokenizer.json`` post-processor).
         end_ids: further ids that end a turn (GGUF ``eot``/``eom`` token ids).
+        lstrip_ids / rstrip_ids: added tokens that take the whitespace before / after them when they are
+            matched in text (HF ``AddedToken.lstrip``/``rstrip``; llama.cpp gives Phi-3's specials RSTRIP).
+            ``encode_with_specials`` applies them; a caller that splits at special tokens itself must too.
         stop_token_ids: ids that end generation: eos, ``end_ids``, and the special tokens among
             ``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``, ``<|end|>``, ``<end_of_turn>``... (llama.cpp's
             end-of-generation names).
@@ -151,6 +154,8 @@ class TextTokenizer:
     add_bos_token: bool = False
     add_eos_token: bool = False
     end_ids: frozenset[int] = frozenset()
+    lstrip_ids: frozenset[int] = frozenset()
+    rstrip_ids: frozenset[int] = frozenset()
     special_ids: frozenset[int] = field(init=False)
     stop_token_ids: frozenset[int] = field(init=False)
 
@@ -271,6 +276,8 @@ def _finish(
     add_bos: bool,
     add_eos: bool,
     end_ids: frozenset[int] = frozenset(),
+    lstrip_ids: frozenset[int] = frozenset(),
+    rstrip_ids: frozenset[int] = frozenset(),
 ) -> TextTokenizer:
     tok.encode_special_tokens = True
     n = tok.get_vocab_size(with_added_tokens=True)
@@ -300,6 +307,8 @@ def _finish(
         add_bos_token=add_bos,
         add_eos_token=add_eos,
         end_ids=end_ids,
+        lstrip_ids=lstrip_ids,
+        rstrip_ids=rstrip_ids,
     )
 
 
@@ -318,6 +327,7 @@ def _from_gguf(path: Path) -> TextTokenizer:
         add_bos=vocab.add_bos,
         add_eos=vocab.add_eos,
         end_ids=frozenset(i for i in (vocab.eot_id, vocab.eom_id) if i is not None),
+        rstrip_ids=vocab.rstrip_ids,
     )
 
 
@@ -345,7 +355,8 @@ def _from_hf_dir(d: Path) -> TextTokenizer:
     if (d / "tokenizer_config.json").exists():
         cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
     raw = json.loads(tj.read_text(encoding="utf-8"))
-    special = {int(a["id"]): a["content"] for a in raw.get("added_tokens", []) if a.get("special")}
+    added = raw.get("added_tokens", [])
+    special = {int(a["id"]): a["content"] for a in added if a.get("special")}
 
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
@@ -377,6 +388,8 @@ def _from_hf_dir(d: Path) -> TextTokenizer:
         byte_level=byte_level,
         add_bos=bool(add_bos),
         add_eos=bool(add_eos),
+        lstrip_ids=frozenset(int(a["id"]) for a in added if a.get("lstrip")),
+        rstrip_ids=frozenset(int(a["id"]) for a in added if a.get("rstrip")),
     )
 
 

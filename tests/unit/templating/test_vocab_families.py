@@ -210,6 +210,7 @@ def test_phi3_turn_tokens_strip_the_whitespace_after_them(llama_cpp_models_dir):
     end, user = tok.token_to_id("<|end|>"), tok.token_to_id("<|user|>")
     assert tok.encode_with_specials("<|user|>\nHi<|end|>\n") == [user, *tok.encode_plain("Hi"), end]
     assert end in tok.stop_token_ids and tok.eos_token == "<|endoftext|>"
+    assert {end, user} <= tok.rstrip_ids and tok.bos_token_id not in tok.rstrip_ids
 
 
 def test_gguf_vocab_defaults():
@@ -264,3 +265,14 @@ def test_hf_directory_add_bos_from_config_or_post_processor(llama_cpp_models_dir
     assert hf.encode_prompt("Hi there") == [50256, *gguf_tok.encode_plain("Hi there")]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
     assert load_tokenizer(tmp_path).add_bos_token is False
+
+
+def test_hf_directory_keeps_the_strip_flags(llama_cpp_models_dir, tmp_path):
+    """A ``tokenizer.json`` whose added tokens carry ``rstrip`` (Phi-3's) reports them and applies them."""
+    phi3 = _load(llama_cpp_models_dir, "phi-3")
+    phi3.plain.save(str(tmp_path / "tokenizer.json"))
+    hf = load_tokenizer(tmp_path)
+    assert hf.rstrip_ids == phi3.rstrip_ids and not hf.lstrip_ids
+    assert (hf.add_bos_token, hf.bos_token_id) == (False, None)  # no config, no post-processor
+    text = "<|user|>\nHi<|end|>\n<|assistant|>\n"
+    assert hf.encode_with_specials(text) == phi3.encode_with_specials(text)
