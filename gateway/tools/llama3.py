@@ -10,7 +10,8 @@ more than one call per assistant message). Documented in ``docs/tools.md`` ("Oth
   writes as it was trained, control tokens included; the parser decides), ``none`` neither.
 * ``Llama3Format.parser``: a ``JsonCallParser``: the call may be preceded by ``<|python_tag|>`` (when the
   detokenizer keeps it) or not; ``"arguments"`` is accepted for ``"parameters"``; calls separated by ``;``
-  are several calls. Without the marker, JSON that does not call an offered function is content.
+  are several calls (only the first without ``parallel_tool_calls``: no grammar enforces it in ``auto``).
+  Without the marker, JSON that does not call an offered function is content.
 * ``Llama3Format.render_history`` (a template without tools): calls as that JSON, results as the text of a
   ``user`` turn, the preamble (the Llama 3.2 template's wording) in the system turn.
 
@@ -25,7 +26,7 @@ from typing import Any
 from gateway.tools.grammar import function_rules
 from gateway.tools.history import dump_call, rewrite_history
 from gateway.tools.jsoncall import JsonCallParser, JsonCallSyntax
-from gateway.tools.parser import new_call_id, register_format
+from gateway.tools.parser import FirstCallOnly, ToolParser, new_call_id, register_format
 from gateway.tools.spec import ToolPlan
 
 __all__ = ["Llama3Format", "SYNTAX", "PYTHON_TAG"]
@@ -69,9 +70,11 @@ class Llama3Format:
         tools = [t for t in plan.tools if plan.mode != "named" or t.name == plan.named]
         return "\n".join(["%llguidance {}", "start: fn", *function_rules(tools, "parameters")]) + "\n"
 
-    def parser(self, plan: ToolPlan) -> JsonCallParser:
-        """A fresh parser; calls without ``<|python_tag|>`` must name one of ``plan.tools``."""
-        return JsonCallParser(SYNTAX, frozenset(t.name for t in plan.tools), new_call_id)
+    def parser(self, plan: ToolPlan) -> ToolParser:
+        """A fresh parser; calls without ``<|python_tag|>`` must name one of ``plan.tools``; without
+        ``plan.parallel``, calls after the first are dropped (``FirstCallOnly``)."""
+        p = JsonCallParser(SYNTAX, frozenset(t.name for t in plan.tools), new_call_id)
+        return p if plan.parallel else FirstCallOnly(p)
 
     def render_history(self, messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
         """Messages for a template without tools: an assistant's calls become ``{"name", "parameters"}``

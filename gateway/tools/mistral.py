@@ -20,7 +20,8 @@ Both:
   a named function or without ``parallel_tool_calls``. llguidance ``%json``, ``json.dumps`` spacing.
   ``auto`` and ``none`` have no grammar.
 * ``parser``: ``JsonCallParser`` (v3) or ``NamedCallParser`` (v11), with or without the visible markers;
-  text before a visible marker is content; without a marker only a call of an offered function counts.
+  text before a visible marker is content; without a marker only a call of an offered function counts;
+  without ``parallel_tool_calls`` only the first call is kept (no grammar enforces it in ``auto``).
 * ``render_history`` (a template without tools): the layouts above, as text.
 
 Raises only ``gateway.errors.InvalidRequest`` (``render_history``: a malformed history tool call).
@@ -37,7 +38,7 @@ from gateway.tools.grammar import function_rules, named_rules
 from gateway.tools.history import dump_call, rewrite_history
 from gateway.tools.jsoncall import JsonCallParser, JsonCallSyntax
 from gateway.tools.namedcall import NamedCallParser, NamedCallSyntax
-from gateway.tools.parser import register_format
+from gateway.tools.parser import FirstCallOnly, ToolParser, register_format
 from gateway.tools.spec import ToolPlan
 
 __all__ = ["MistralFormat", "SYNTAX", "V11_SYNTAX", "TOOL_CALLS", "ARGS", "mistral_call_id"]
@@ -97,13 +98,15 @@ class MistralFormat:
             start, rules = f'start: "[" fn{more} "]"', function_rules(tools)
         return "\n".join(["%llguidance {}", start, *rules]) + "\n"
 
-    def parser(self, plan: ToolPlan) -> JsonCallParser:
+    def parser(self, plan: ToolPlan) -> ToolParser:
         """A fresh parser with 9-character ids; calls without ``[TOOL_CALLS]`` must name one of
-        ``plan.tools``."""
+        ``plan.tools``; without ``plan.parallel``, calls after the first are dropped (``FirstCallOnly``)."""
         names = frozenset(t.name for t in plan.tools)
         if self.v11:
-            return NamedCallParser(V11_SYNTAX, names, mistral_call_id)
-        return JsonCallParser(SYNTAX, names, mistral_call_id)
+            p: ToolParser = NamedCallParser(V11_SYNTAX, names, mistral_call_id)
+        else:
+            p = JsonCallParser(SYNTAX, names, mistral_call_id)
+        return p if plan.parallel else FirstCallOnly(p)
 
     def render_history(self, messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
         """Messages for a template without tools: an assistant's calls become ``[TOOL_CALLS][{...}, ...]``

@@ -26,6 +26,7 @@ from gateway.tools.spec import ToolPlan
 
 __all__ = [
     "CallsOnly",
+    "FirstCallOnly",
     "ToolCallDelta",
     "ToolCall",
     "ToolParser",
@@ -296,6 +297,31 @@ class CallsOnly:
     @property
     def calls(self) -> list[ToolCall]:
         return self.inner.calls
+
+    @property
+    def incomplete(self) -> bool:
+        return self.inner.incomplete
+
+
+class FirstCallOnly:
+    """The parser of a request with ``parallel_tool_calls`` false whose format has no grammar to enforce it
+    (Llama 3 and Mistral in mode ``auto``): calls after the first are dropped, deltas and all (OpenAI's
+    "at most one call"); content is unchanged."""
+
+    def __init__(self, inner: ToolParser) -> None:
+        self.inner = inner
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = self.inner.feed(text)
+        return content, [d for d in deltas if d.index == 0]
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = self.inner.finish()
+        return content, [d for d in deltas if d.index == 0]
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.inner.calls[:1]
 
     @property
     def incomplete(self) -> bool:

@@ -447,6 +447,18 @@ def test_too_deep_output_is_not_an_error(fmt):
     assert run(fmt, [TAGS[fmt.name] + other]) == (TAGS[fmt.name] + other, [], True)
 
 
+@pytest.mark.parametrize("fmt", [L, M, V], ids=["llama3", "mistral", "mistral-v11"])
+def test_without_parallel_calls_only_the_first_is_kept(fmt):
+    text = {
+        "llama3": f"{lcall('get_weather', PARIS)}; {lcall('now-2', {})}",
+        "mistral": f"[TOOL_CALLS][{lcall('get_weather', PARIS, 'arguments')}, {lcall('now-2', {}, 'arguments')}]",
+        "mistral-v11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now-2[ARGS]{}',
+    }[fmt.name]
+    one = fmt.parser(plan(parallel=False))
+    assert run(fmt, list(text), one) == ("", [W], False)
+    assert run(fmt, [text]) == ("", [W, ("now-2", "{}")], False)
+
+
 def test_calls_only_keeps_no_content():
     assert run(M, ["[TOOL_CALLS] sorry"], CallsOnly(M.parser(plan("required")))) == ("", [], True)
 
