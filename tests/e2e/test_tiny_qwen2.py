@@ -11,7 +11,8 @@ Random weights write gibberish, so the tests check structure, not text:
   ``completion_tokens`` is ``max_tokens`` (``ignore_eos``), finish ``"length"``; the stream's text and usage
   equal the non-stream answer's (greedy);
 * a forced tool call through Qwen2.5's template (the Hermes format, ``<tool_call>`` is an added token of
-  this vocabulary): finish ``"tool_calls"`` and arguments that are the only object the schema allows.
+  this vocabulary), non-stream and stream: finish ``"tool_calls"`` and arguments that are the only object
+  the schema allows, the streamed pieces assembled as the SDK does giving the same call.
 """
 
 from __future__ import annotations
@@ -126,15 +127,31 @@ def test_forced_tool_call(served):
             },
         },
     }
-    full = served.openai().chat.completions.create(
+    ask = dict(
         model=served.model,
         messages=MESSAGES[1:],
         tools=[unit],
         tool_choice={"type": "function", "function": {"name": "set_unit"}},
         max_tokens=64,
     )
+    client = served.openai()
+    full = client.chat.completions.create(**ask)
     choice = full.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     [call] = choice.message.tool_calls or []
     assert call.function.name == "set_unit" and json.loads(call.function.arguments) == {"unit": "celsius"}
     assert call.id.startswith("call_")
+
+    calls: dict[int, list[str]] = {}  # index -> [id, name, arguments], assembled as the SDK does
+    finish = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            finish += [c.finish_reason] if c.finish_reason else []
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                got = calls.setdefault(d.index, ["", "", ""])
+                got[0] += d.id or ""
+                got[1] += (d.function and d.function.name) or ""
+                got[2] += (d.function and d.function.arguments) or ""
+    assert finish == ["tool_calls"] and list(calls) == [0]
+    assert calls[0][0].startswith("call_") and calls[0][1:] == ["set_unit", call.function.arguments]
