@@ -18,6 +18,8 @@ from backend.model_path import default_model_path
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import InvalidRequest
 from gateway.openai.constraints import chat_constraints
+from gateway.structured import formats
+from gateway.structured.checker import GrammarChecker
 from gateway.tools import Llama3Format, MistralFormat, ToolCallDelta, parse_tools, tool_format
 from gateway.tools.parser import CallsOnly
 from templating.tokenizer import load_tokenizer
@@ -227,6 +229,20 @@ def test_forced_grammar_output_parses(tk, lt, fmt):
     detok = IncrementalDetokenizer.for_tokenizer(tk)
     chunks = [detok.feed(i) for i in tk.encode_plain(text)] + [detok.flush()]
     assert run(fmt, chunks) == ("", [("get_weather", json.dumps(ODD, ensure_ascii=False))], False)
+
+
+async def test_vocabulary_load_does_not_count_against_the_check_limit(tk):
+    """Loading a big vocabulary into llguidance takes seconds (Qwen2's 152k tokens on a busy CPU); the
+    first forced call must not be refused for it: only the compile and walk are timed."""
+    import time
+
+    def slow_vocabulary() -> str:
+        time.sleep(1.5)
+        return tk.tokenizer.to_str()
+
+    checker = GrammarChecker(slow_vocabulary, tk.vocab_size, sorted(tk.stop_token_ids), timeout=1.0)
+    grammar = formats.make_grammar("lark", L.grammar(plan("required")))
+    await checker.check(grammar, "tool_choice")  # raised InvalidRequest "did not compile within 1 s" before
 
 
 # ---------------------------------------------------------------------------------------------------
