@@ -32,6 +32,7 @@ expected ids for the vocab GGUFs in the sdist (``tests/unit/templating/test_voca
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,6 +315,12 @@ class GGUFVocab:
     rstrip_ids: frozenset[int]
     chat_template: str | None
 
+    @functools.cached_property
+    def bpe_merges(self) -> list[tuple[str, str]]:
+        """The merges the BPE model runs: the file's, or for "llama" those derived from the scores (computed
+        once per vocabulary)."""
+        return _sentencepiece_merges(self.tokens, self.scores) if self.model == "llama" else self.merges
+
     @property
     def byte_level(self) -> bool:
         """Tokens are GPT-2 byte-mapped strings ("gpt2"), not UTF-8 with ``▁`` and ``<0xNN>``."""
@@ -429,9 +436,8 @@ def _bpe_pipeline(v: GGUFVocab) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(v.tokens)}
     unk = v.tokens[v.unk_id] if v.unk_id is not None else None
     if v.model == "llama":
-        merges = _sentencepiece_merges(v.tokens, v.scores)
         tok = Tokenizer(
-            models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+            models.BPE(vocab=vocab, merges=v.bpe_merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
         )
         steps = [normalizers.Prepend(SPACE)] if v.add_space_prefix else []
         tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])

@@ -21,7 +21,6 @@ line.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -115,10 +114,10 @@ class TextTokenizer:
     """A loaded tokenizer plus what templating and detokenizing need.
 
     Attributes:
-        plain: the ``tokenizers.Tokenizer`` with ``encode_special_tokens=True``: special-token strings in
-            text are ordinary text (user-defined added tokens are still matched, as llama.cpp does).
-        tokenizer: (property) a copy that parses special added tokens in text, built on first use (it costs
-            as much as the load: ~1 s for a 150k vocabulary) -- only trusted text needs it.
+        tokenizer: the ``tokenizers.Tokenizer`` that parses special added tokens in text (trusted text only).
+        plain: a second one with ``encode_special_tokens=True``: special-token strings in text are ordinary
+            text (user-defined added tokens are still matched, as llama.cpp does). Built from the source
+            again rather than copied: a copy through ``to_str`` costs two to three times a build.
         vocab_size: number of ids, added tokens included (49,152 for SmolLM2).
         bos_token_id / eos_token_id / unk_token_id / pad_token_id: ids or None.
         bos_token / eos_token: their strings ("" when unknown), passed to chat templates.
@@ -139,6 +138,7 @@ class TextTokenizer:
             end-of-generation names).
     """
 
+    tokenizer: Tokenizer
     plain: Tokenizer
     vocab_size: int
     bos_token_id: int | None
@@ -170,11 +170,6 @@ class TextTokenizer:
             if i is not None and i in self.special_ids:
                 stops.add(i)
         self.stop_token_ids = frozenset(stops)
-
-    @functools.cached_property
-    def tokenizer(self) -> Tokenizer:
-        """The tokenizer that parses special-token strings in text (``encode_special_tokens=False``)."""
-        return Tokenizer.from_str(self.plain.to_str())
 
     # -- lookups ---------------------------------------------------------------------------------
     def token_to_id(self, token: str) -> int | None:
@@ -265,6 +260,7 @@ _WHAT_TO_PASS = "pass a GGUF file, or a Hugging Face model directory that holds 
 
 def _finish(
     tok: Tokenizer,
+    plain: Tokenizer,
     special: dict[int, str],
     *,
     bos,
@@ -279,7 +275,7 @@ def _finish(
     lstrip_ids: frozenset[int] = frozenset(),
     rstrip_ids: frozenset[int] = frozenset(),
 ) -> TextTokenizer:
-    tok.encode_special_tokens = True
+    plain.encode_special_tokens = True
     n = tok.get_vocab_size(with_added_tokens=True)
     conv = _byte_level_token_bytes if byte_level else _sentencepiece_token_bytes
     strings: list[str | None] = [None] * n
@@ -292,7 +288,8 @@ def _finish(
         if s is not None:
             table[i] = _byte_level_token_bytes(s) if byte_level else s.encode("utf-8")
     return TextTokenizer(
-        plain=tok,
+        tokenizer=tok,
+        plain=plain,
         vocab_size=n,
         bos_token_id=bos,
         eos_token_id=eos,
@@ -317,6 +314,7 @@ def _from_gguf(path: Path) -> TextTokenizer:
     tok, special = build_tokenizer(vocab)
     return _finish(
         tok,
+        build_tokenizer(vocab)[0],
         special,
         bos=vocab.bos_id,
         eos=vocab.eos_id,
@@ -350,7 +348,7 @@ def _from_hf_dir(d: Path) -> TextTokenizer:
         else:
             hint = _WHAT_TO_PASS
         raise TokenizerFileMissing(str(tj), hint)
-    tok = Tokenizer.from_file(str(tj))
+    tok, plain = Tokenizer.from_file(str(tj)), Tokenizer.from_file(str(tj))
     cfg: dict = {}
     if (d / "tokenizer_config.json").exists():
         cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -379,6 +377,7 @@ def _from_hf_dir(d: Path) -> TextTokenizer:
     add_eos = cfg.get("add_eos_token", eos is not None and probe[-1:] == [eos] and bare[-1:] != [eos])
     return _finish(
         tok,
+        plain,
         special,
         bos=bos,
         eos=eos,
