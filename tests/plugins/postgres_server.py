@@ -14,10 +14,11 @@ A test that stops and restarts the server during traffic starts its own (:func:`
 
 from __future__ import annotations
 
+import atexit
 import glob
+import hashlib
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 import time
@@ -68,15 +69,40 @@ def _own(path: Path) -> None:
         shutil.chown(path, "postgres", "postgres")
 
 
-def _traversable(folder: Path) -> None:
-    """Let the ``postgres`` user reach ``folder``: its ancestors get the search bit for others (pytest's
-    ``tmp_path`` lies under a 0700 folder of root); nothing becomes readable."""
+HOMES = Path(tempfile.gettempdir()) / "llm-gateway-pg"  # where the servers' files live when run as root
+_made: list[Path] = []  # homes this process made: removed at exit (their servers stopped first)
+
+
+def _home(folder: Path) -> Path:
+    """The folder holding a server's files for ``folder``: ``folder`` itself, or, as root, a folder of the
+    ``postgres`` user under :data:`HOMES` named after ``folder`` (so a second start finds it). Not under
+    pytest's base temp folder: every pytest start on the machine makes that 0700 again, and the postgres user
+    could no longer reach its files to stop or restart the server."""
+    folder.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
-        return
-    for parent in folder.resolve().parents:
-        mode = parent.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            parent.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+        return folder
+    HOMES.mkdir(exist_ok=True)
+    HOMES.chmod(0o711)
+    home = HOMES / hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    if not home.exists():
+        home.mkdir()
+        _made.append(home)
+    _own(home)
+    return home
+
+
+@atexit.register
+def _remove_homes() -> None:
+    for home in _made:
+        if (home / "pgdata" / "postmaster.pid").exists():
+            subprocess.run(
+                _as_postgres(
+                    [str(postgres_bin() / "pg_ctl"), "-D", str(home / "pgdata"), "-m", "immediate", "stop"]
+                ),
+                capture_output=True,
+                timeout=30,
+            )
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -86,7 +112,8 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def start_postgres(folder: Path, port: int | None = None) -> tuple[PostgresHandle, str]:
-    """Create a cluster in ``folder/pgdata`` (once; a second call on the same folder reuses it) and start it on
+    """Create a cluster for ``folder`` (in it, or as root in its home under :data:`HOMES`; once: a second call on
+    the same folder reuses it) and start it on
     ``port`` (else a free one); returns once it accepts connections (``pg_ctl -w``). Returns the handle and the
     URL ``postgresql://postgres@127.0.0.1:PORT/postgres``. The caller stops it (:func:`stop_postgres`).
 
@@ -94,10 +121,8 @@ def start_postgres(folder: Path, port: int | None = None) -> tuple[PostgresHandl
         RuntimeError: ``initdb`` or ``pg_ctl start`` failed (their stderr in the message).
     """
     bin_dir = require_postgres()
-    folder.mkdir(parents=True, exist_ok=True)
-    _traversable(folder)
-    _own(folder)
-    data, sockets = folder / "pgdata", folder / "sock"
+    home = _home(folder)
+    data, sockets = home / "pgdata", home / "sock"
     sockets.mkdir(exist_ok=True)
     _own(sockets)
     if not (data / "PG_VERSION").exists():
@@ -106,7 +131,7 @@ def start_postgres(folder: Path, port: int | None = None) -> tuple[PostgresHandl
             + ["-E", "UTF8", "--locale=C"],
             "initdb",
         )
-    handle = PostgresHandle(bin_dir, data, sockets, port or free_port(), folder / "postgres.log")
+    handle = PostgresHandle(bin_dir, data, sockets, port or free_port(), home / "postgres.log")
     _pg_ctl_start(handle)
     return handle, handle.url
 

@@ -15,7 +15,7 @@ from auth.errors import StoreUnavailable, Unauthenticated
 from auth.store import open_store
 
 
-STALE_S = 4.0  # the stale-serving bound under test (60 s by default); room for a slow pg_ctl stop
+STALE_S = 3.0  # the stale-serving bound under test (60 s by default); room for a slow pg_ctl stop
 
 
 def creds(key: str) -> list[tuple[bytes, bytes]]:
@@ -71,6 +71,7 @@ async def test_store_down_serves_cached_keys_for_stale_s_then_recovers(tmp_path)
     try:
         url = create_database(server_url)
         store = open_store(url)
+        store.fail_fast_s = 0.2  # the breaker's window after a failed call (1 s by default)
         await store.open()
         tn = await store.create_tenant("acme")
         cached, _ = await store.create_key(tn.id)
@@ -105,7 +106,7 @@ async def test_store_down_serves_cached_keys_for_stale_s_then_recovers(tmp_path)
                 await store.list_tenants()
             await trio.to_thread.run_sync(restart_postgres, handle)
             await wait_until(lambda: store.feed.connected)  # the feed reconnects by itself
-            await trio.sleep(1.1)  # the breaker's window
+            await trio.sleep(0.3)  # the breaker's window
             assert (await auth.authenticate(creds(uncached))).tenant_id == tn.id  # the pool reconnected
             assert [t.name for t in await store.list_tenants()] == ["acme"]
             nursery.cancel_scope.cancel()
