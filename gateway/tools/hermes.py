@@ -72,6 +72,7 @@ class HermesFormat:
     own (SmolLM2)."""
 
     name = "hermes"
+    markers: tuple[str, ...] = ()  # <tool_call> is an ordinary added token where it exists
 
     def preamble(self, plan: ToolPlan) -> str:
         """The ``# Tools`` system text; "" for mode ``none`` (the tools are not shown at all)."""

@@ -50,6 +50,7 @@ class Llama3Format:
     """``ToolFormat`` for Llama 3.x Instruct models (see the module docstring)."""
 
     name = "llama3"
+    markers = SYNTAX.markers
 
     def preamble(self, plan: ToolPlan) -> str:
         """The Llama 3.2 template's tool instructions and one indented JSON signature per tool; "" for mode

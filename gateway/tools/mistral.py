@@ -66,6 +66,7 @@ class MistralFormat:
     def __init__(self, *, v11: bool = False) -> None:
         self.v11 = v11
         self.name = "mistral-v11" if v11 else "mistral"
+        self.markers = (TOOL_CALLS, V11_SYNTAX.id_marker, ARGS) if v11 else SYNTAX.markers
 
     def preamble(self, plan: ToolPlan) -> str:
         """``[AVAILABLE_TOOLS][...][/AVAILABLE_TOOLS]`` (the signatures as one JSON array) and how to call;

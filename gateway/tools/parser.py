@@ -90,6 +90,9 @@ class ToolFormat(Protocol):
     """A model family's tool-call format (Hermes, Llama 3, Mistral)."""
 
     name: str
+    #: control-token strings that open or divide calls in this format; the parser reads the calls with or
+    #: without them (the detokenizer drops control tokens), and reads more with them (calls after text)
+    markers: tuple[str, ...]
 
     def preamble(self, plan: ToolPlan) -> str:
         """Text describing the tools, appended to (or used as) the system turn."""

@@ -10,8 +10,8 @@ Random weights write gibberish, so the tests check structure, not text:
   count of the prompt the template renders (rendered here with jinja2 as transformers does), and
   ``completion_tokens`` is ``max_tokens`` (``ignore_eos``), finish ``"length"``; the stream's text and usage
   equal the non-stream answer's (greedy);
-* a forced tool call through Qwen2.5's template (the Hermes format, ``<tool_call>`` is an added token of
-  this vocabulary), non-stream and stream: finish ``"tool_calls"`` and arguments that are the only object
+* a forced tool call through Qwen2.5's template (the Hermes format; this older qwen2 vocabulary has no
+  ``<tool_call>`` token, so the grammar spells it in ordinary tokens), non-stream and stream: finish ``"tool_calls"`` and arguments that are the only object
   the schema allows, the streamed pieces assembled as the SDK does giving the same call.
 """
 
