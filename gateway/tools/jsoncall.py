@@ -28,9 +28,10 @@ import msgspec
 
 from gateway.tools.parser import JsonValueEnd, ToolCall, ToolCallDelta, json_members, partial_suffix
 
-__all__ = ["JsonCallSyntax", "JsonCallParser"]
+__all__ = ["JsonCallSyntax", "JsonCallParser", "WS"]
 
-_WS = " \t\n\r"
+#: JSON whitespace
+WS = " \t\n\r"
 _W = r"[ \t\n\r]*"
 _STR = r'"(?:[^"\\]|\\.)*"'
 _FIRST_KEY = re.compile(rf"\{{{_W}({_STR})")
@@ -135,7 +136,7 @@ class JsonCallParser:
             self._incomplete = True
             out.append(self._lead + self._buf)
         else:
-            out.append(self._buf.lstrip(_WS) if self._after else self._buf)
+            out.append(self._buf.lstrip(WS) if self._after else self._buf)
         self._buf = ""
         return "".join(out), deltas
 
@@ -152,7 +153,7 @@ class JsonCallParser:
     # -- start of the message, or right after a marker ------------------------------------------------
 
     def _start(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
-        s = self._buf.lstrip(_WS)
+        s = self._buf.lstrip(WS)
         if not s:
             return False
         ws = self._buf[: len(self._buf) - len(s)]
@@ -188,7 +189,7 @@ class JsonCallParser:
     def _text(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
         buf = self._buf
         if self._after:
-            buf = buf.lstrip(_WS)
+            buf = buf.lstrip(WS)
             if not buf:
                 self._buf = ""
                 return False
@@ -196,12 +197,12 @@ class JsonCallParser:
         hits = [(buf.find(m), m) for m in self._syn.markers if m in buf]
         if hits:
             i, m = min(hits)
-            content.append(buf[:i].rstrip(_WS))
+            content.append(buf[:i].rstrip(WS))
             self._buf = buf[i + len(m) :]
             self._lead, self._marked, self._mode = m, True, "start"
             return True
         hold = max((partial_suffix(buf, m) for m in self._syn.markers), default=0)
-        cut = len(buf[: len(buf) - hold].rstrip(_WS)) if self._syn.markers else len(buf)
+        cut = len(buf[: len(buf) - hold].rstrip(WS)) if self._syn.markers else len(buf)
         content.append(buf[:cut])
         self._buf = buf[cut:]
         return False
@@ -212,7 +213,7 @@ class JsonCallParser:
         if self._phase == "obj":
             return self._object(content, deltas)
         t, i = self._buf, self._pos
-        while i < len(t) and t[i] in _WS:
+        while i < len(t) and t[i] in WS:
             i += 1
         self._pos = i
         if i >= len(t):
@@ -249,7 +250,7 @@ class JsonCallParser:
         first = self._nobj == 0
         if first and not self._marked and not self._checked:
             m = _FIRST_KEY.match(t, start)
-            rest = t[start + 1 : end].lstrip(_WS)
+            rest = t[start + 1 : end].lstrip(WS)
             if m is None and ((rest and rest[0] != '"') or obj.done):
                 return self._not_calls()
             if m is not None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from gateway.tools.jsoncall import _WS, JsonCallParser, JsonCallSyntax
+from gateway.tools.jsoncall import WS, JsonCallParser, JsonCallSyntax
 from gateway.tools.parser import JsonValueEnd, ToolCall, ToolCallDelta
 
 __all__ = ["NamedCallSyntax", "NamedCallParser"]
@@ -122,7 +122,7 @@ class NamedCallParser(JsonCallParser):
             self._name, self._phase, self._pos = name, "args", end
             return True
         if self._phase == "args":
-            while i < len(t) and t[i] in _WS:
+            while i < len(t) and t[i] in WS:
                 i += 1
             if i >= len(t):
                 return False
@@ -145,7 +145,7 @@ class NamedCallParser(JsonCallParser):
 
     def _between(self, t: str, i: int) -> bool:
         """After a call: another call (marked, or a bare offered name), or the end of the calls."""
-        while i < len(t) and t[i] in _WS:
+        while i < len(t) and t[i] in WS:
             i += 1
         self._pos = i
         if i >= len(t):
