@@ -362,14 +362,10 @@ class GGUFVocab:
             v = meta.get(f"tokenizer.ggml.{key}_token_id")
             return int(v) if v is not None and 0 <= int(v) < n else None
 
-        if model == "llama":
-            add_bos, add_eos = True, False
-        elif model == "gemma4":
-            add_bos, add_eos = True, False
-        else:
-            add_bos, add_eos = (pre != _SMOLLM and PRE_TOKENIZERS[pre].add_bos), False
+        # llama.cpp's defaults: BOS for SentencePiece and Gemma 4, per pre type for byte-level BPE; no EOS.
+        add_bos = model != "gpt2" or (pre != _SMOLLM and PRE_TOKENIZERS[pre].add_bos)
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", add_eos))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         if model == "gemma4":
             add_bos = True  # llama.cpp overrides it for Gemma 4
         space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", model == "llama"))
