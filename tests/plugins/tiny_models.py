@@ -239,17 +239,20 @@ def _copy_vocab(writer, vocab: Path) -> int:
     """Copy every ``tokenizer.*`` key of the GGUF ``vocab`` into ``writer``; returns its token count."""
     import gguf
 
-    reader = gguf.GGUFReader(str(vocab))
-    n = 0
-    for key, field in reader.fields.items():
+    from backend.loaders.gguf_file import GGUFFile, StringArray
+
+    src = GGUFFile(vocab)
+    for key, value in src.metadata.items():
         if not key.startswith("tokenizer."):
             continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-        if key == "tokenizer.ggml.tokens":
-            n = len(field.data)
-    return n
+        vtype, item = src.value_types[key]
+        if isinstance(value, StringArray):
+            value = src.strings(key)
+        elif isinstance(value, np.ndarray):
+            value = value.tolist()
+        sub = gguf.GGUFValueType(item) if item is not None else None
+        writer.add_key_value(key, value, gguf.GGUFValueType(vtype), sub_type=sub)
+    return len(src.metadata.get("tokenizer.ggml.tokens") or ())
 
 
 def write_tiny_gguf(

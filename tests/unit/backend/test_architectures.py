@@ -305,3 +305,36 @@ def test_unsupported_variants_are_one_line(tmp_path) -> None:
     )
     with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_output.bias' is not supported"):
         load_gguf(o_bias)
+
+
+def test_gguf_file_reads_what_gguf_reader_reads(tmp_path, written) -> None:
+    """``GGUFFile`` (the loader's reader) gives ``gguf.GGUFReader``'s metadata and tensor views, and a file cut
+    anywhere is a one-line ``ValueError``."""
+    from backend.loaders.gguf_file import GGUFFile, StringArray
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", spec=SPECS["qwen3"], qtype=gguf.GGMLQuantizationType.Q8_0)
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = ours.metadata[key]
+        if isinstance(value, StringArray):
+            assert ours.strings(key) == field.contents()
+        elif isinstance(value, np.ndarray):
+            assert value.tolist() == field.contents()
+        else:
+            assert value == pytest.approx(field.contents()), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.tensor_type, a.shape, a.n_elements) == (
+            b.tensor_type,
+            tuple(b.shape.tolist()),
+            b.n_elements,
+        )
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    data = path.read_bytes()
+    for cut in (10, 300, len(data) // 2, len(data) - 1):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="truncated or corrupt GGUF file") as exc:
+            load_gguf(tmp_path / "cut.gguf")
+        assert "\n" not in str(exc.value)
