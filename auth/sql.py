@@ -4,7 +4,7 @@
 
     SqlStore(db)            synchronous: every query of the tenancy store, in the dialect of ``auth.schema``
     ThreadedStore(sync)     async (``auth.store.TenantStore``): each call in a worker thread via
-                            ``trio.to_thread.run_sync``, behind the database's ``CapacityLimiter``
+                            ``trio.to_thread.run_sync``, behind a ``CapacityLimiter`` (SQLite 1, PostgreSQL 4)
 
 A :class:`Database` gives transactions (:class:`Tx`): rows as dicts, row counts, and :meth:`Tx.announce`, which
 tells every gateway sharing the database that tenants or keys changed (PostgreSQL: ``NOTIFY`` in the same
