@@ -14,7 +14,6 @@ from auth.authenticator import Authenticator
 from auth.errors import StoreUnavailable, Unauthenticated
 from auth.store import open_store
 
-
 STALE_S = 3.0  # the stale-serving bound under test (60 s by default); room for a slow pg_ctl stop
 
 
