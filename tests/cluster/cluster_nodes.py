@@ -338,6 +338,9 @@ class Cluster:
             time.sleep(0.1)
 
     def close(self) -> None:
+        for gp in self.nodes.values():  # every gateway drains at once, then each is waited for
+            if gp.proc.poll() is None:
+                gp.proc.send_signal(signal.SIGTERM)
         for gp in self.nodes.values():
             gp.stop()
         self.backend.stop()

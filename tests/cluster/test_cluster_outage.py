@@ -177,9 +177,11 @@ async def test_store_then_redis_stopped_during_traffic(cluster: Cluster):
     assert during and all(a.status == 503 and code_of(a) == "rate_limiter_unavailable" for a in during), [
         (a.status, code_of(a)) for a in during if a.status != 503
     ][:5]
-    if "store" in windows:  # while PostgreSQL was down, the cached key was served
-        lo, hi = windows["store"]
-        during = [a for a in answers if lo <= a.sent and a.done <= hi]
+    if "store" in windows:  # while PostgreSQL was down, the cached key was served (a request is authenticated
+        lo, hi = windows[
+            "store"
+        ]  # as it arrives: sent in the outage is enough, it may end after the restart)
+        during = [a for a in answers if lo <= a.sent <= hi - 0.2]
         for name in nodes:
             assert any(a.node == name and a.status == 200 for a in during), (name, {a.status for a in during})
 
