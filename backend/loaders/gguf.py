@@ -308,8 +308,14 @@ def load_gguf(
     cfg, meta = read_gguf_config(reader)
     Q = gguf.GGMLQuantizationType
     if budget is not None:
+        names_ = {t.name: t for t in reader.tensors}
         n4 = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q4_K))
-        budget.check(sum(int(t.n_elements) for t in reader.tensors), n4 if keep_q4 else 0)
+        head = names_.get("output.weight") or names_.get("token_embd.weight")
+        budget.check(
+            sum(int(t.n_elements) for t in reader.tensors),
+            n4 if keep_q4 else 0,
+            head.n_elements if head else 0,
+        )
     permuted = cfg.architecture in PERMUTED_ARCHS
     tensors: dict[str, torch.Tensor] = {}
     rope_freqs = None

@@ -192,12 +192,14 @@ def load_hf(path: str | Path, *, budget: MemoryBudget | None = None) -> tuple[Ll
     cfg = read_hf_config(raw)
     files = safetensors_files(path)
     if budget is not None:
-        n = 0
+        sizes = {}
         for f in files:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
-                    n += math.prod(fh.get_slice(k).get_shape())
-        budget.check(n)
+                    sizes[k] = math.prod(fh.get_slice(k).get_shape())
+        budget.check(
+            sum(sizes.values()), 0, sizes.get("lm_head.weight") or sizes.get("model.embed_tokens.weight", 0)
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:

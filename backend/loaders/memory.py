@@ -7,13 +7,17 @@ both, an upper bound of the peak:
 * ``4 * P`` bytes: the float32 staging copy of all ``P`` parameters;
 * ``elem * P`` bytes: the compute-dtype copy (2 for bfloat16/float16, 4 for float32), when the model lives
   in host memory (``device == "cpu"``);
-* ``1.5 * P4`` bytes for the ``P4`` parameters of 4-bit matrices kept for the int4 path (uint8 codes while
-  loading, the packed int4 copy after);
+* ``2 * P4`` bytes for the ``P4`` parameters of 4-bit matrices kept for the int4 path (uint8 codes and
+  group scales while loading, the packed int4 copy after);
+* ``(elem + 5) * P_head`` bytes for the LM head's ``P_head`` parameters (the embedding when tied): its
+  compute copy beside the embedding's, its per-row int8 copy and the float32 temporary that copy is made
+  from;
 * the KV pool's bytes (host memory only).
 
-For a Qwen2.5-1.5B (1.54e9 parameters, vocab 151936, tied) this gives, with the default 512 MiB KV pool:
-11.3 GiB in the default mode (bfloat16 on CPU, every matrix counted as 4-bit), 9.1 GiB for a 16-bit file
-in bfloat16, 12.0 GiB in float32: all under 24 GiB.
+Measured against it (``ru_maxrss`` growth of the load, bfloat16 on CPU, 512 MiB KV): the default SmolLM2-135M
+Q4_1 file 1.21 GiB (estimate 1.63 GiB); a Qwen2.5-0.5B-shaped Q4_0 file (4.94e8 parameters, vocab 151936,
+tied) 4.40 GiB (estimate 5.07 GiB). For a Qwen2.5-1.5B (1.54e9 parameters, tied) the estimate is 13.5 GiB
+in the default mode with every matrix 4-bit, 10.6 GiB from a 16-bit file, 14.0 GiB in float32: under 24 GiB.
 
 The budget is ``$GATEWAY_MEMORY_BUDGET`` (bytes, or with a ``KiB``/``MiB``/``GiB`` suffix) when set, else the
 memory available now (``MemAvailable`` of ``/proc/meminfo``, capped by a cgroup v2 ``memory.max``) minus a
@@ -110,11 +114,13 @@ class MemoryBudget:
             limit, source = avail - margin, f"available RAM {_gib(avail)} minus a {_gib(margin)} margin"
         return cls(limit, source, compute_bytes, extra_bytes, dtype)
 
-    def need(self, n_params: int, n_q4_params: int = 0) -> int:
-        """Estimated peak bytes of loading ``n_params`` parameters, ``n_q4_params`` of them kept as int4 too."""
-        return 4 * n_params + self.compute_bytes * n_params + (3 * n_q4_params) // 2 + self.extra_bytes
+    def need(self, n_params: int, n_q4_params: int = 0, n_head_params: int = 0) -> int:
+        """Estimated peak bytes of loading ``n_params`` parameters, ``n_q4_params`` of them kept as int4 too,
+        with an LM head of ``n_head_params`` (see the module docstring)."""
+        c = self.compute_bytes
+        return 4 * n_params + c * n_params + 2 * n_q4_params + (c + 5) * n_head_params + self.extra_bytes
 
-    def check(self, n_params: int, n_q4_params: int = 0) -> None:
+    def check(self, n_params: int, n_q4_params: int = 0, n_head_params: int = 0) -> None:
         """Raise if the estimate is over the budget.
 
         Raises:
@@ -122,12 +128,14 @@ class MemoryBudget:
                 loading + bfloat16, KV cache 0.5 GiB), over the memory budget of 8.0 GiB
                 (available RAM 9.0 GiB minus a 1.0 GiB margin; set $GATEWAY_MEMORY_BUDGET to change it)``.
         """
-        need = self.need(n_params, n_q4_params)
+        need = self.need(n_params, n_q4_params, n_head_params)
         if need <= self.limit:
             return
         parts = "float32 while loading" + (f" + {self.dtype}" if self.compute_bytes else "")
         if n_q4_params:
             parts += " + int4 codes"
+        if n_head_params:
+            parts += " + LM head copies"
         if self.extra_bytes:
             parts += f", KV cache {_gib(self.extra_bytes)}"
         raise ValueError(
