@@ -46,7 +46,7 @@ SPECS = {
     "llama-untied-llama3": TinySpec(arch="llama", tied=False, rope_theta=500000.0, rope_scaling=LLAMA3),
     "mistral": TinySpec(arch="mistral", tied=False, seed=5),
     "qwen2": TinySpec(arch="qwen2", tied=True, seed=1),
-    "qwen3": TinySpec(arch="qwen3", tied=False, seed=2),
+    "qwen3": TinySpec(arch="qwen3", tied=False, head_dim=32, seed=2),  # heads * head_dim != hidden, as Qwen3
     "phi3": TinySpec(arch="phi3", tied=False, partial_rotary_factor=0.5, seed=3),
 }
 
@@ -231,6 +231,8 @@ def test_memory_budget_refuses_in_one_line(tmp_path, written, monkeypatch, capsy
         ModelRunner(str(path), dtype="float32", num_kv_blocks=4, memory_budget=1000)
     assert "\n" not in str(exc.value)
     ModelRunner(str(path), dtype="float32", num_kv_blocks=4, memory_budget=10**9)  # fits
+    with pytest.raises(ValueError, match=r"model needs .* over the memory budget of 0\.0 GiB"):
+        ModelRunner(str(written["qwen2"][1]), dtype="float32", num_kv_blocks=4, memory_budget=1000)  # HF dir
     monkeypatch.setenv("GATEWAY_MEMORY_BUDGET", "1KiB")
     status = backend_main(["--model", str(path), "--listen", f"unix:{tmp_path / 's'}", "--dtype", "float32"])
     assert status == EXIT_MODEL_LOAD_FAILED == 3
