@@ -11,6 +11,7 @@ from typing import Annotated
 import msgspec
 
 from gateway.backends.address import parse_backend_url
+from ratelimit.redis_client import redis_connection
 
 
 def _opt(description: str, **constraints: float) -> msgspec.Meta:
@@ -110,6 +111,10 @@ class TenancySettings(Section):
         bool, _opt("while Redis does not answer, admit requests without rate limits (default: 503)")
     ] = False
     admin_key: Annotated[str | None, _opt("admin bearer key (admin API off without one)")] = None
+
+    def __post_init__(self) -> None:
+        if self.redis_url:
+            redis_connection(self.redis_url)  # ValueError: a clear message naming what is wrong (no password)
 
 
 class ObservabilitySettings(Section):

@@ -34,10 +34,12 @@ import socket
 import sys
 from functools import partial
 
+import jinja2
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hyper_serve
 
+from auth.errors import StoreUnavailable
 from backend.model_path import default_model_path
 from gateway.app import build_app
 from gateway.backends.pool import BackendPool
@@ -48,7 +50,8 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.settings import Settings, SettingsError, configure_logging, engine_argv, load_settings
 from gateway.state import Gateway
 from gateway.tenants import Tenants
-from templating import ChatTemplate, cached_tokenizer
+from ratelimit.errors import StoreError
+from templating import ChatTemplate, TextTokenizer, cached_tokenizer
 
 log = logging.getLogger("gateway")
 
@@ -108,6 +111,15 @@ def _load_tokenizer(path: str | None):
         raise StartupError(f"cannot load tokenizer {path}: {' '.join(str(exc).split())}") from None
 
 
+def _chat_template(tokenizer: TextTokenizer, source: str | None) -> ChatTemplate:
+    """``ChatTemplate(tokenizer, source)``. Raises ``StartupError`` when the model has no usable template (none
+    given and none in the tokenizer's files, or one that does not compile)."""
+    try:
+        return ChatTemplate(tokenizer, source)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise StartupError(f"cannot use the model's chat template: {' '.join(str(exc).split())}") from None
+
+
 class _Config(Config):
     """hypercorn's ``Config`` whose TCP listeners carry ``TCP_USER_TIMEOUT`` (Linux, tcp(7)).
 
@@ -149,12 +161,7 @@ async def serve(settings: Settings) -> None:
     async with trio.open_nursery() as nursery:
         shutdown, serving = trio.Event(), trio.Event()
         nursery.start_soon(_signals, shutdown, serving, pool, nursery.cancel_scope)
-        await nursery.start(pool.run)  # BackendStartError: the first start failed (backends stopped)
-        card = pool.card
-        tok_path = settings.backend.tokenizer or model or (card.model_path if card else None)
-        tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
-        template = ChatTemplate(tokenizer, card.chat_template if card and card.chat_template else None)
-        t = settings.tenancy
+        t = settings.tenancy  # first: an unreachable store or Redis fails before the model loads
         tenancy = Tenants(
             t.db,
             redis_url=t.redis_url,
@@ -166,11 +173,21 @@ async def serve(settings: Settings) -> None:
             ledger_batch=t.ledger_batch,
             spool_dir=t.ledger_spool_dir,
             spool_rows=t.ledger_spool_rows,
+            limits_fail_open=t.limits_fail_open,
         )
-        await tenancy.start(nursery)
+        try:
+            await tenancy.start(nursery)
+        except (StoreUnavailable, StoreError) as exc:
+            raise StartupError(f"cannot start tenancy: {' '.join(str(exc).split())}") from None
+        await nursery.start(pool.run)  # BackendStartError: the first start failed (backends stopped)
+        card = pool.card
+        tok_path = settings.backend.tokenizer or model or (card.model_path if card else None)
+        tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
+        template = _chat_template(tokenizer, card.chat_template if card and card.chat_template else None)
         obs = settings.observability
         metrics = GatewayMetrics(card.name if card else "", tenant_label=obs.metrics_tenant_label)
         metrics.set_stats_source(pool.stats)
+        metrics.set_fail_open_source(lambda: tenancy.admission.fail_open_admitted)
         configure_access_log(obs.access_log)
         gw = Gateway(
             settings,

@@ -70,6 +70,8 @@ class Tenants:
         spool_dir: the ledger spool's folder; None: the SQLite file's folder, ``./data`` for PostgreSQL, no
             spool for ``:memory:``.
         spool_rows: rows the spool may hold.
+        limits_fail_open: while Redis does not answer, admit without shared limits instead of a 503
+            (``ratelimit.admission``; off by default).
         create_default: on an empty database create tenant ``default`` with one key, announced once.
         redis_prefix: key prefix in Redis.
         announce: where the default key is announced (default: stderr).
@@ -88,6 +90,7 @@ class Tenants:
         ledger_batch: int = 512,
         spool_dir: str | None = None,
         spool_rows: int = 100_000,
+        limits_fail_open: bool = False,
         create_default: bool = True,
         redis_prefix: str = "gw:rl:",
         announce: Callable[[str], None] = _to_stderr,
@@ -104,7 +107,9 @@ class Tenants:
             self.store, admin_key=admin_key, cache_ttl_s=cache_ttl_s, feed_ttl_s=feed_ttl_s, stale_s=stale_s
         )
         limiter = RedisLimiter(redis_url, prefix=redis_prefix) if redis_url else LocalLimiter()
-        self.admission = Admission(limiter, self.ledger, error_status=error_status)
+        self.admission = Admission(
+            limiter, self.ledger, error_status=error_status, fail_open=limits_fail_open
+        )
         self.create_default = create_default
         self.default_key: str | None = None  # set (in memory only) when this start created it
         self._announce = announce
@@ -124,10 +129,13 @@ class Tenants:
                     await self.aclose()
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Open (create, migrate) the store, create the default tenant if it is empty, check the limiter, start
-        the change feed (PostgreSQL), the ledger writer and the limiter's task (Redis: the lease heartbeat) in
-        ``nursery``. Raises ``auth.errors.StoreUnavailable`` when PostgreSQL cannot be reached."""
+        """Open (create, migrate) the store, check the limiter, create the default tenant if the store is empty
+        (after both answered, so its key is not announced by a start that then fails), start the change feed
+        (PostgreSQL), the ledger writer and the limiter's task (Redis: the lease heartbeat) in ``nursery``.
+        Raises ``auth.errors.StoreUnavailable`` when PostgreSQL cannot be reached, ``ratelimit.errors.StoreError``
+        when Redis cannot."""
         await self.store.open()
+        await self.admission.start()
         if self.create_default and await self.store.count_tenants() == 0:
             t = await self.store.create_tenant("default")
             key, _ = await self.store.create_key(t.id, name="default")
@@ -135,7 +143,6 @@ class Tenants:
             self._announce(
                 f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now"
             )
-        await self.admission.start()
         await nursery.start(self.admission.run)
         await nursery.start(self.ledger.run)
         if self.store.feed is not None:

@@ -32,9 +32,11 @@ Wiring (gateway/server.py builds it, gateway/app.py ``build_app`` routes and wra
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
@@ -58,6 +60,24 @@ PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + REQUEST_LATENCY_BUCKETS
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error", "content_filter")
+
+
+_FAIL_OPEN_HELP = (
+    "Requests admitted without rate limits because Redis did not answer (--limits-fail-open; 0 when off)."
+)
+
+
+class _ReadCounter:
+    """A counter whose value is read from its owner at scrape time (one sample, no labels)."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation, value=self.read())]
 
 
 class GatewayMetrics:
@@ -209,8 +229,16 @@ class GatewayMetrics:
         # ---- engine-level, from backend Stats
         self.backend = BackendStatsCollector(lambda: self.model_name)
         r.register(self.backend)
+        self._fail_open: Callable[[], int] = lambda: 0
+        r.register(
+            _ReadCounter(P + "rate_limiter_fail_open_admissions", _FAIL_OPEN_HELP, lambda: self._fail_open())
+        )
 
     # ------------------------------------------------------------------ configuration
+
+    def set_fail_open_source(self, read: Callable[[], int]) -> None:
+        """Where ``gateway:rate_limiter_fail_open_admissions_total`` is read (``Admission.fail_open_admitted``)."""
+        self._fail_open = read
 
     def set_stats_source(self, source: StatsSource | None) -> None:
         """An async callable giving fresh backend ``Stats`` (or a list / {backend_id: Stats}); polled by ``render``."""

@@ -313,3 +313,12 @@ async def test_tenant_taken_from_auth_principal_when_handler_failed_early(caplog
     assert entry["tenant"] == "tn_x" and entry["error_code"] == "content_filter"
     s = parse_exposition(generate_latest(m.registry).decode())
     assert sample_sum(s, "gateway:content_filter_blocks_total", tenant="tn_x", stage="input") == 1
+
+
+async def test_fail_open_admissions_are_read_at_scrape_time():
+    m = GatewayMetrics("m")
+    assert b"gateway:rate_limiter_fail_open_admissions_total 0.0" in await m.render()
+    admitted = [0]
+    m.set_fail_open_source(lambda: admitted[0])
+    admitted[0] = 3
+    assert b"gateway:rate_limiter_fail_open_admissions_total 3.0" in await m.render()

@@ -154,6 +154,9 @@ def test_unknown_flag_exits_2(capsys):
         ("[http\nport = 1\n", "invalid TOML"),
         ("[observability]\nlog_level = 'loud'\n", "log_level must be DEBUG"),
         ("[backend]\nbackend_url = ['http://x:1']\n", "backend url must be unix:PATH or tcp://HOST:PORT"),
+        ("[tenancy]\nredis_url = 'http://h:1'\n", "the scheme must be redis://, rediss://"),
+        ("[tenancy]\nredis_url = 'redis://:pw@h:port'\n", "the port and the db must be numbers"),
+        ("[tenancy]\nredis_url = 'redis://h?ssl_verify=0'\n", "unknown query parameter(s) ssl_verify"),
     ],
 )
 def test_bad_toml_value_is_a_clear_error(tmp_path, toml, message):
