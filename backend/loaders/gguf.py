@@ -13,8 +13,11 @@ Per architecture (tensor names as in ``gguf.constants.MODEL_TENSORS``):
 * ``qwen2``: ``blk.N.attn_{q,k,v}.bias`` -> ``LlamaConfig.qkv_bias``;
 * ``qwen3``: ``blk.N.attn_{q,k}_norm.weight`` -> ``LlamaConfig.qk_norm``;
 * ``phi3``: the fused ``blk.N.attn_qkv.weight`` (``[(nh + 2 nkv) hd, H]``) is split into q/k/v, and the
-  fused ``blk.N.ffn_up.weight`` (``[2 I, H]``: gate rows, then up rows) into gate and up; a LongRoPE file
-  (``rope_factors_long.weight``) is refused; ``rope.dimension_count < head_dim`` is partial rotary.
+  fused ``blk.N.ffn_up.weight`` (``[2 I, H]``: gate rows, then up rows) into gate and up;
+  ``rope.dimension_count < head_dim`` is partial rotary. LongRoPE (Phi-3.5, Phi-3 128k, Phi-4-mini):
+  ``rope_factors_short.weight`` divides the frequencies and ``rope.scaling.attn_factor`` scales cos/sin,
+  with the context capped at ``rope.scaling.original_context_length``, where llama.cpp and transformers
+  both use the short factors (``rope_factors_long.weight`` is not read).
 
 A file's other biases (``attn_output.bias``, ``ffn_*.bias``) are refused by name. A sliding window
 (``{arch}.attention.sliding_window``) shorter than the context caps the context length at the window, so
@@ -185,10 +188,6 @@ def read_gguf_config(reader: GGUFFile) -> tuple[LlamaConfig, dict]:
             raise ValueError(
                 f"tensor '{name}' is not supported (biases are read on attn_q/attn_k/attn_v only)"
             )
-    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
-        raise ValueError(
-            "LongRoPE (tensor 'rope_factors_long.weight') is not supported: only plain RoPE phi3 files load"
-        )
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         toks = reader.metadata.get("tokenizer.ggml.tokens")
@@ -208,6 +207,15 @@ def read_gguf_config(reader: GGUFFile) -> tuple[LlamaConfig, dict]:
     window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
     if 0 < window < context:
         context = window
+    attention_factor = 1.0
+    if "rope_factors_short.weight" in names:  # LongRoPE: the short factors, within the original context
+        orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if not orig:
+            raise ValueError(
+                f"LongRoPE file without GGUF metadata {arch}.rope.scaling.original_context_length"
+            )
+        context = min(context, int(orig))
+        attention_factor = float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0))
     cfg = LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -224,6 +232,7 @@ def read_gguf_config(reader: GGUFFile) -> tuple[LlamaConfig, dict]:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_attention_factor=attention_factor,
         architecture=arch,
     )
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -331,7 +340,7 @@ def load_gguf(
         if not arr.flags.writeable:
             arr = arr.copy()
         ten = torch.from_numpy(arr)
-        if t.name == "rope_freqs.weight":
+        if t.name in ("rope_freqs.weight", "rope_factors_short.weight"):
             rope_freqs = ten.reshape(-1)
             continue
         if t.name in _GLOBAL_MAP:

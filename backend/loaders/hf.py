@@ -12,7 +12,10 @@ q/k/v biases (``self_attn.{q,k,v}_proj.bias``: qwen2) -> ``qkv_bias``, ``self_at
 (qwen3) -> ``qk_norm``; phi3's fused ``self_attn.qkv_proj.weight`` and ``mlp.gate_up_proj.weight`` (gate rows
 first, as ``Phi3MLP`` chunks them) are split into the llama q/k/v and gate/up tensors. Refused with one
 line: any other bias (``attention_bias`` on llama/qwen3 adds an ``o_proj`` bias, ``mlp_bias``), a rope type
-other than default/linear/llama3 (phi3 ``longrope``, ``yarn``). A sliding window in use
+other than default/linear/llama3/longrope (``yarn``, ``dynamic``). LongRoPE (phi3 ``longrope``/``su``):
+``short_factor`` becomes ``LlamaWeights.rope_freqs`` (frequency divisors) and its attention factor
+``LlamaConfig.rope_attention_factor``, with the context capped at ``original_max_position_embeddings``,
+where transformers uses the short factors (it switches to ``long_factor`` past it). A sliding window in use
 (``sliding_window`` with ``use_sliding_window`` on qwen2/qwen3, or set on mistral/phi3) caps the context at
 the window, where it changes nothing.
 
@@ -47,6 +50,7 @@ ARCHITECTURES = {
 }
 _WINDOW_FLAG = {"qwen2": "use_sliding_window", "qwen3": "use_sliding_window"}
 _ROPE_TYPES = (None, "default", "none", "linear", "llama3")
+_LONGROPE = ("longrope", "su")
 _PASS = "pass a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
 
 
@@ -88,14 +92,12 @@ def read_hf_config(cfg: dict) -> LlamaConfig:
         n_head = int(cfg["num_attention_heads"])
         rp = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or None
-        if scaling is None and rp and rp.get("rope_type", "default") != "default":
-            scaling = dict(rp)
+        scaling = dict(_scaling(cfg)) or None
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-        if kind not in _ROPE_TYPES:
+        if kind not in _ROPE_TYPES + _LONGROPE:
             raise ValueError(
                 f"rope type {kind!r} (config.json rope_scaling/rope_parameters) is not supported "
-                "(default, linear, llama3)"
+                "(default, linear, llama3, longrope)"
             )
         head_dim = int(cfg.get("head_dim") or hidden // n_head)
         partial = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
@@ -103,6 +105,10 @@ def read_hf_config(cfg: dict) -> LlamaConfig:
         window = cfg.get("sliding_window")
         if window and cfg.get(_WINDOW_FLAG.get(family, ""), family in ("mistral", "phi3")):
             context = min(context, int(window))
+        attention_factor = 1.0
+        if kind in _LONGROPE:
+            attention_factor, orig = longrope_attention(cfg, scaling)
+            context, scaling = min(context, orig), None  # the short factors go to LlamaWeights.rope_freqs
         return LlamaConfig(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -117,10 +123,35 @@ def read_hf_config(cfg: dict) -> LlamaConfig:
             context_length=context,
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_attention_factor=attention_factor,
             architecture="llama" if family == "mistral" else family,
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
+
+
+def _scaling(cfg: dict) -> dict:
+    rp = cfg.get("rope_parameters") or {}
+    return cfg.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else {})
+
+
+def longrope_attention(cfg: dict, scaling: dict) -> tuple[float, int]:
+    """LongRoPE's ``(attention_factor, original_max_position_embeddings)`` as transformers'
+    ``_compute_longrope_parameters`` computes them: the given ``attention_factor``, else
+    ``sqrt(1 + ln(factor) / ln(original))`` with ``factor = max_position_embeddings / original`` (1.0 when
+    ``factor <= 1``).
+
+    Raises:
+        ValueError: no ``original_max_position_embeddings`` or no ``short_factor``.
+    """
+    orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not orig or not scaling.get("short_factor"):
+        raise ValueError("longrope in config.json needs original_max_position_embeddings and short_factor")
+    factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", orig)) / int(orig)
+    af = scaling.get("attention_factor")
+    if af is None:
+        af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(int(orig)))
+    return float(af), int(orig)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -252,4 +283,7 @@ def load_hf(path: str | Path, *, budget: MemoryBudget | None = None) -> tuple[Ll
         model_path=str(path),
     )
     meta = {"architecture": cfg.architecture, "chat_template": template, "eos_token_ids": eos}
-    return LlamaWeights(config=cfg, tensors=tensors, meta=meta), card
+    sc = _scaling(raw)
+    short = sc.get("short_factor") if sc.get("rope_type", sc.get("type")) in _LONGROPE else None
+    rope_freqs = torch.tensor(short, dtype=torch.float32) if short else None
+    return LlamaWeights(config=cfg, tensors=tensors, rope_freqs=rope_freqs, meta=meta), card

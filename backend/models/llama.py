@@ -59,6 +59,8 @@ class LlamaConfig:
         qkv_bias: the q/k/v projections have biases (``self_attn.{q,k,v}_proj.bias``; qwen2).
         qk_norm: q and k are RMS-normalized per head (weights ``self_attn.{q,k}_norm.weight [head_dim]``,
             epsilon ``rms_norm_eps``) before RoPE (qwen3).
+        rope_attention_factor: multiplies RoPE's cos and sin (HF ``attention_scaling``; LongRoPE's
+            ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``), 1.0 for every other rope type.
         architecture: the family name (``llama``, ``qwen2``, ``qwen3``, ``phi3``), for the card only.
     """
 
@@ -77,6 +79,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    rope_attention_factor: float = 1.0
     architecture: str = "llama"
 
     def __post_init__(self) -> None:
@@ -99,7 +102,8 @@ class LlamaWeights:
     ``.post_attention_layernorm.weight [H]``, ``.mlp.{gate,up}_proj.weight [I, H]``, ``.mlp.down_proj.weight [H, I]``;
     with ``qkv_bias`` also ``.self_attn.{q,k,v}_proj.bias`` (``[nh*hd]``, ``[nkv*hd]``, ``[nkv*hd]``), with
     ``qk_norm`` ``.self_attn.{q,k}_norm.weight [hd]``.
-    ``rope_freqs`` (optional, ``[rope_dim/2]``): llama.cpp's per-frequency divisors (llama3 scaling in GGUF).
+    ``rope_freqs`` (optional, ``[rope_dim/2]``): llama.cpp's per-frequency divisors (llama3 scaling in GGUF;
+    LongRoPE's ``short_factor``).
     ``q4`` (optional): for 4-bit GGUF matrices, tensor name -> ``(codes [N, K] uint8, scale [N, K/32] f32,
     zero [N, K/32] f32)`` with ``w = (code - 8) * scale + zero`` (``backend.loaders.gguf.q4_groups``).
     """
@@ -375,8 +379,11 @@ class LlamaModel:
             pos = torch.arange(n, dtype=torch.int64).to(torch.float32)
             freqs = pos[:, None] * self.inv_freq[None, :]  # same fp32 product as HF's matmul
             emb = torch.cat([freqs, freqs], dim=-1)
-            self._cos = emb.cos().to(self.device)
-            self._sin = emb.sin().to(self.device)
+            cos, sin = emb.cos(), emb.sin()
+            if self.config.rope_attention_factor != 1.0:  # LongRoPE (phi3): HF scales cos and sin
+                cos, sin = cos * self.config.rope_attention_factor, sin * self.config.rope_attention_factor
+            self._cos = cos.to(self.device)
+            self._sin = sin.to(self.device)
             self._rope_len = n
         return self._cos, self._sin
 

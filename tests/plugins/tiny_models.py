@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,9 @@ class TinySpec:
     eos_token_id: int = 2
     seed: int = 0
     #: HF ``rope_parameters`` beyond the default (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``); a llama3
-    #: one is written to GGUF as llama.cpp does, as a ``rope_freqs.weight`` tensor of per-frequency divisors
+    #: one is written to GGUF as llama.cpp does, as a ``rope_freqs.weight`` tensor of per-frequency divisors; a
+    #: phi3 ``{"rope_type": "longrope", "long_factor", "short_factor", "original_max_position_embeddings"}`` as
+    #: Phi-3.5 files have it (``rope_factors_long/short.weight`` and ``rope.scaling.*`` in GGUF)
     rope_scaling: dict | None = None
 
     @property
@@ -155,12 +158,17 @@ def hf_config(spec: TinySpec) -> dict:
         "pad_token_id": None,
         "torch_dtype": "float32",
     }
-    if spec.rope_scaling:
-        cfg["rope_parameters"] = {"rope_theta": spec.rope_theta, **spec.rope_scaling}
     if spec.arch == "phi3":
         cfg["partial_rotary_factor"] = spec.partial_rotary_factor
         cfg["original_max_position_embeddings"] = spec.context_length
         cfg["sliding_window"] = None
+    if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "longrope":
+        # as Phi-3.5's config.json writes it: rope_scaling + top-level original_max_position_embeddings
+        sc = dict(spec.rope_scaling)
+        cfg["original_max_position_embeddings"] = sc.pop("original_max_position_embeddings")
+        cfg["rope_scaling"] = {"type": sc.pop("rope_type"), **sc}
+    elif spec.rope_scaling:
+        cfg["rope_parameters"] = {"rope_theta": spec.rope_theta, **spec.rope_scaling}
     if spec.arch == "mistral":
         cfg["sliding_window"] = None
     return cfg
@@ -312,7 +320,17 @@ def write_tiny_gguf(
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     encode = encode or default_encoder(qtype)
-    if spec.rope_scaling:
+    if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "longrope":
+        # llama.cpp conversion/phi.py: both factor sets as tensors, the attention factor and original context
+        sc, orig = spec.rope_scaling, spec.rope_scaling["original_max_position_embeddings"]
+        scale = spec.context_length / orig
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+        )
+        writer.add_rope_scaling_orig_ctx_len(orig)
+        writer.add_tensor("rope_factors_long.weight", np.array(sc["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(sc["short_factor"], dtype=np.float32))
+    elif spec.rope_scaling:
         writer.add_tensor("rope_freqs.weight", _rope_freqs(spec))
     for name, ten in tiny_tensors(spec).items():
         if file_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -1,5 +1,5 @@
 """Architectures against transformers: tiny random-weight llama (tied, untied + llama3 RoPE), mistral, qwen2,
-qwen3 and phi3 (partial rotary) models, written as GGUF and as HF safetensors (``tests/plugins/tiny_models.py``),
+qwen3 and phi3 (partial rotary; LongRoPE) models, written as GGUF and as HF safetensors (``tests/plugins/tiny_models.py``),
 loaded by the backend in float32, give the logits of transformers' own implementation on the same weights
 (``AutoModelForCausalLM.from_pretrained`` of the HF directory) within 1e-4: at the end of the prefill and
 for 16 decode steps through the paged KV cache (block size 8, a shuffled block table), with the C++ fused
@@ -48,6 +48,18 @@ SPECS = {
     "qwen2": TinySpec(arch="qwen2", tied=True, seed=1),
     "qwen3": TinySpec(arch="qwen3", tied=False, head_dim=32, seed=2),  # heads * head_dim != hidden, as Qwen3
     "phi3": TinySpec(arch="phi3", tied=False, partial_rotary_factor=0.5, seed=3),
+    "phi3-longrope": TinySpec(
+        arch="phi3",
+        tied=False,
+        seed=4,
+        context_length=1024,
+        rope_scaling={
+            "rope_type": "longrope",
+            "long_factor": [1.0 + i for i in range(8)],
+            "short_factor": [1.0 + 0.3 * i for i in range(8)],
+            "original_max_position_embeddings": 64,
+        },
+    ),
 }
 
 
@@ -102,6 +114,10 @@ def test_logits_match_transformers(key: str, fmt: str, written) -> None:
     assert cfg.tie_word_embeddings == spec.tied
     assert (cfg.qkv_bias, cfg.qk_norm) == (spec.arch == "qwen2", spec.arch == "qwen3")
     assert cfg.rope_dim == spec.rope_dim
+    if key == "phi3-longrope":  # the short factors hold up to the original context: the cap
+        assert runner.card.context_length == 64 and cfg.rope_attention_factor == pytest.approx(
+            (1 + 2 / 3) ** 0.5
+        )
     want = ref[PROMPT - 1 :]
     kern = runner.model.cpu_kernels
     modes = ["torch"] + (["fused"] if kern is not None else [])
@@ -284,11 +300,11 @@ def _edit_config(path, **changes) -> None:
 
 
 def test_unsupported_variants_are_one_line(tmp_path) -> None:
-    """phi3 LongRoPE (HF and GGUF), an o_proj bias, an unknown architecture: one-line ValueErrors; a sliding
+    """A yarn rope type, an o_proj bias, an unknown architecture: one-line ValueErrors; a sliding
     window caps the context length at the window."""
     phi = write_tiny_hf(tmp_path / "phi", SPECS["phi3"])
-    _edit_config(phi, rope_scaling={"type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4})
-    with pytest.raises(ValueError, match=r"rope type 'longrope' .* is not supported"):
+    _edit_config(phi, rope_scaling={"type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope type 'yarn' .* is not supported"):
         ModelRunner(str(phi), num_kv_blocks=4)
     _edit_config(phi, rope_scaling=None, sliding_window=100)
     assert ModelRunner(str(phi), num_kv_blocks=4).card.context_length == 100
@@ -297,11 +313,6 @@ def test_unsupported_variants_are_one_line(tmp_path) -> None:
         ModelRunner(str(phi), num_kv_blocks=4)
 
     phi3 = SPECS["phi3"]
-    longrope = write_tiny_gguf(
-        tmp_path / "l.gguf", spec=phi3, extra={"rope_factors_long.weight": np.ones(4, np.float32)}
-    )
-    with pytest.raises(ValueError, match=r"LongRoPE \(tensor 'rope_factors_long.weight'\) is not supported"):
-        load_gguf(longrope)
     o_bias = write_tiny_gguf(
         tmp_path / "o.gguf", spec=phi3, extra={"blk.0.attn_output.bias": np.zeros(64, np.float32)}
     )
