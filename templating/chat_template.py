@@ -35,7 +35,11 @@ Rules of this gateway (documented in ``docs/text.md``):
   (and a partial one at either end of a client string) is swapped for a random private-use placeholder; after rendering, special tokens are found only in what the
   template wrote, and the placeholders are turned back into the literal text, which is tokenized as
   ordinary text. Token boundaries are the ones HF gives for the same text (text between special tokens is
-  tokenized as one piece), so honest prompts get exactly HF's ids.
+  tokenized as one piece, the whitespace next to a token with a strip flag dropped as llama.cpp drops it),
+  so honest prompts get exactly HF's ids.
+* BOS: the ids start with exactly one. A template that writes ``bos_token`` gives it (HF); otherwise it is
+  added when the tokenizer's metadata says so (``add_bos_token``: llama.cpp's chat path). EOS is never
+  added to a chat prompt.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ _ROLE_ALIASES = {"developer": "system"}
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Roles whose content may be null/missing (OpenAI: assistant with tool_calls / function_call).
 _NULL_CONTENT_ROLES = {"assistant"}
+#: The characters C's ``isspace`` accepts: the whitespace llama.cpp strips next to an lstrip/rstrip token.
+_C_SPACE = " \t\n\v\f\r"
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,9 @@ class ChatPrompt:
     Attributes:
         text: the prompt text exactly as the template rendered it (control-token strings from the client
             appear literally).
-        ids: its token ids (int), special ids only where the template put a special token.
+        ids: its token ids (int), special ids only where the template put a special token, and BOS first
+            when the tokenizer adds one (``add_bos_token``) and the template did not write it (then ``text``
+            does not show it).
     """
 
     text: str
@@ -427,17 +435,40 @@ class ChatTemplate:
 
     def _tokenize(self, text: str, neut: _Neutralizer) -> list[int]:
         """Special ids for the special-token strings in ``text`` (all written by the template, since client
-        strings carry placeholders instead), ordinary tokens for each piece between them."""
+        strings carry placeholders instead), ordinary tokens for each piece between them, and BOS first when
+        the tokenizer adds one and the template did not write it.
+
+        The tokenizer's strip flags apply as llama.cpp's ``tokenizer_st_partition`` applies them: the piece
+        after a special id in ``rstrip_ids`` loses its leading ASCII whitespace (C ``isspace``), the piece
+        before one in ``lstrip_ids`` its trailing whitespace, and a piece left empty is dropped (Phi-3:
+        ``<|user|>\\nHi<|end|>\\n`` gives ``<|user|> ▁Hi <|end|>``; HF ``tokenizers`` strips Unicode
+        whitespace there, which differs only for non-ASCII spaces next to such a token).
+
+        BOS: llama.cpp's chat path strips a rendered BOS and lets the tokenizer add it back (``add_bos``);
+        HF's templates write ``bos_token`` themselves. Either way the prompt starts with exactly one BOS:
+        added here only when ``add_bos_token`` holds and the ids do not already start with it.
+        """
         tok = self.tokenizer
-        if self._special_re is None:
-            return tok.encode_plain(neut.restore(text))
-        ids: list[int] = []
+        pieces: list[str | int] = []
         pos = 0
-        for m in self._special_re.finditer(text):
+        for m in self._special_re.finditer(text) if self._special_re is not None else ():
             if m.start() > pos:
-                ids.extend(tok.encode_plain(neut.restore(text[pos : m.start()])))
-            ids.append(self._special_id[m.group(0)])
+                pieces.append(neut.restore(text[pos : m.start()]))
+            pieces.append(self._special_id[m.group(0)])
             pos = m.end()
         if pos < len(text):
-            ids.extend(tok.encode_plain(neut.restore(text[pos:])))
+            pieces.append(neut.restore(text[pos:]))
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if isinstance(piece, int):
+                ids.append(piece)
+                continue
+            if k > 0 and pieces[k - 1] in tok.rstrip_ids:
+                piece = piece.lstrip(_C_SPACE)
+            if k + 1 < len(pieces) and pieces[k + 1] in tok.lstrip_ids:
+                piece = piece.rstrip(_C_SPACE)
+            ids.extend(tok.encode_plain(piece))
+        bos = tok.bos_token_id
+        if tok.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
         return ids

@@ -221,7 +221,9 @@ async def _completion_prompt(
     gw: Gateway, req: CompletionRequest, principal: Principal | None
 ) -> tuple[list[int], object]:
     """(prompt token ids, the prompt for the log). Prompt hooks see a text prompt (a string or a
-    one-string array) as one user message."""
+    one-string array) as one user message. A text prompt is tokenized as llama.cpp's server tokenizes one
+    (``TextTokenizer.encode_prompt``): control-token strings as text, BOS/EOS added as the model's metadata
+    says (Llama 2/3, Gemma, Phi-3 add BOS; SmolLM2 adds nothing); token ids are taken as given."""
     p = req.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]
@@ -229,7 +231,7 @@ async def _completion_prompt(
         p = (await gw.filters.check_prompt(principal, [{"role": "user", "content": p}]))[0]["content"]
     if isinstance(p, str):
         text = p
-        ids = await gw.tokenize(lambda: gw.tokenizer.encode_plain(text), len(text))
+        ids = await gw.tokenize(lambda: gw.tokenizer.encode_prompt(text), len(text))
     elif p and all(isinstance(x, int) for x in p):
         ids = [int(x) for x in p]
         vocab = _vocab_size(gw)
