@@ -213,8 +213,8 @@ class TextTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw prompt as the model was trained to see one: BOS first when ``add_bos_token``,
         ``encode_plain(text)``, EOS last when ``add_eos_token`` (llama.cpp ``common_tokenize`` with
-        ``add_special=true, parse_special=false``). A rendered chat template writes its own BOS: use
-        ``encode_plain``/``ChatTemplate.render`` there."""
+        ``add_special=true, parse_special=false``). A chat prompt: use ``ChatTemplate.render``, which adds BOS
+        only when the template does not write one."""
         ids = self.encode_plain(text)
         if self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
