@@ -8,9 +8,9 @@ tenant one after another; the client notes when it has read each of these to its
 counted from the database: the finished requests (``id`` of the response) without a row. The documented bound
 (``auth/ledger.py``, docs/tenancy.md): a crash loses at most the rows recorded in the last ``--ledger-flush-s``
 seconds, at most ``--ledger-batch`` of them (the cluster's gateways run with ``LEDGER_FLUSH_S`` and
-``LEDGER_BATCH``); a lost row must therefore have finished within
-``LEDGER_FLUSH_S`` (plus ``CLOCK_SLACK_S``: the client reads the end of a response a moment after the gateway
-records it) of the kill. The streams cut by the kill never finished: a crash bills none of them (printed).
+``LEDGER_BATCH``); a lost row must therefore have finished within ``LEDGER_FLUSH_S`` (plus ``CLOCK_SLACK_S``:
+the client reads the end of a response a moment after the gateway records it) of the kill. The streams cut by
+the kill never finished: a crash bills none of them (their rows are counted and printed).
 
 The lease lapse is timed from just before the kill to B's admission of the ``STREAMS``-th stream of the tenant,
 the client waiting what each 429's ``retry-after-ms`` says.
@@ -36,10 +36,9 @@ CLOCK_SLACK_S = 0.5
 FINISHED_BEFORE_KILL = 5  # short requests the client has seen finish on A before the kill
 
 
-async def serving(c: httpx.AsyncClient, g_url: str, headers: dict, model: str) -> None:
-    """One short request through ``g_url`` answers 200 with its token."""
-    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-    r = await c.post(g_url + "/v1/chat/completions", json=body, headers=headers)
+async def serving(c: httpx.AsyncClient, g: GatewayProc) -> None:
+    """One short request through ``g`` with its own tenant's key answers 200 with its token."""
+    r = await c.post(g.base_url + "/v1/chat/completions", json=chat(g, 1), headers=g.headers())
     assert r.status_code == 200, (r.status_code, r.text[:300])
     assert r.json()["usage"]["completion_tokens"] == 1
 
@@ -134,7 +133,7 @@ async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(clust
                 await running.wait()
             t_running = time.monotonic()
 
-            await serving(c, b.base_url, b.headers(), b.model)  # B serves while A runs its streams
+            await serving(c, b)  # B serves while A runs its streams
             r = await c.post(b.base_url + "/v1/chat/completions", json=chat(b, 1), headers=streams_t.headers)
             assert r.status_code == 429, r.text[:300]  # B counts A's streams (the leases are shared)
 
@@ -143,7 +142,7 @@ async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(clust
             killed.set()
             # right after the kill, while A's leases lapse: B serves, and admits the tenant's full concurrency
             # again within the bound (and not one more)
-            nursery.start_soon(serving, c, b.base_url, b.headers(), b.model)
+            nursery.start_soon(serving, c, b)
             held, waits = await hold_streams(c, b, streams_t.headers, STREAMS, t_kill + LEASE_BOUND_S + 5)
             lapse_s = time.monotonic() - t_kill
             try:
@@ -155,7 +154,7 @@ async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(clust
                 for s in held:
                     await s.aclose()
         assert len(cut) == STREAMS and "done" not in cut and "ended" not in cut, cut
-        await serving(c, b.base_url, b.headers(), b.model)  # and after
+        await serving(c, b)  # and after
 
     rows = await trio.to_thread.run_sync(cluster.usage, ledger_t.tenant_id)
     written = {row["request_id"] for row in rows}
