@@ -18,11 +18,18 @@ async def index(request: Request) -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", headers={"cache-control": "no-cache"})
 
 
+async def admin_page(request: Request) -> FileResponse:
+    """GET /admin: the operator dashboard page (``static/admin.html``). The page carries no data: its
+    script asks for the admin key and sends it on every ``/admin/v1/*`` call."""
+    return FileResponse(STATIC_DIR / "admin.html", headers={"cache-control": "no-cache"})
+
+
 def playground_routes() -> list[BaseRoute]:
     """``/`` and ``/static`` when the static folder is installed, else none."""
     if not STATIC_DIR.is_dir():
         return []
     return [
         Route("/", index, methods=["GET"]),
+        Route("/admin", admin_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
