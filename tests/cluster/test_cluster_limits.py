@@ -33,7 +33,7 @@ RPM = 10
 MAX_CONCURRENT = 3
 WINDOW_S = 3600.0  # rpm refill: one request per WINDOW_S / RPM = 360 s
 REQUESTS = 100
-MAX_TOKENS = 4  # an admitted request runs a while (a stream of a few tokens): slots are held, then freed
+MAX_TOKENS = 2  # an admitted request runs a while (a stream of a few tokens): slots are held, then freed
 SAMPLE_S = 0.005
 
 

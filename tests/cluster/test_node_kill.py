@@ -33,7 +33,7 @@ STREAMS = 16
 LEASE_BOUND_S = 10.0  # A's leases lapse within this after the kill (they live 6 s without renewal)
 LEASE_TTL_S = 6.0  # ratelimit.redis_limiter.LEASE_TTL_S: no concurrency 429 asks to wait longer
 CLOCK_SLACK_S = 0.5
-FINISHED_BEFORE_KILL = 5  # short requests the client has seen finish on A before the kill
+FINISHED_BEFORE_KILL = 3  # short requests the client has seen finish on A before the kill
 
 
 async def serving(c: httpx.AsyncClient, g: GatewayProc) -> None:
