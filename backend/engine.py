@@ -43,11 +43,13 @@ from backend.batch import SeqChunk
 from backend.block_manager import BlockManager
 from backend.protocol import (
     FEATURE_GRAMMAR,
+    MAX_TIMELINE_EVENTS,
     RequestError,
     RequestOutput,
     SamplingParams,
     Stats,
     Submit,
+    Timeline,
     Timings,
     TokenLogprob,
     Usage,
@@ -55,7 +57,7 @@ from backend.protocol import (
 from backend.sampling import ChoiceState, sample
 from backend.sampling_rules import check_sampling
 from backend.scheduler import Scheduler, SchedulerOutput
-from backend.sequence import SeqStatus, Sequence
+from backend.sequence import SeqStatus, SeqTimeline, Sequence
 
 Message = RequestOutput | RequestError
 
@@ -271,6 +273,8 @@ class Engine:
             index=0,
         )
         seq.sampling_state = states[0]
+        if submit.inspect:
+            seq.timeline = SeqTimeline(req.arrival, MAX_TIMELINE_EVENTS)
         req.seqs[0] = seq
         self.requests[req.request_id] = req
         self.num_prompt_tokens += len(submit.prompt_ids)
@@ -389,6 +393,21 @@ class Engine:
             preemptions=seq.num_preemptions if seq is not None else 0,
         )
 
+    def _timeline(self, req: EngineRequest, index: int, now: float) -> Timeline | None:
+        """Choice ``index``'s recorded ``Timeline`` ending at ``now``; None when it was not asked."""
+        seq = req.seqs[index]
+        t = seq.timeline if seq is not None else None
+        if t is None:
+            return None
+        return Timeline(
+            chunks=t.chunks,
+            first_token=t.first_token,
+            decode=t.decode,
+            preemptions=t.preemptions,
+            finish=now - t.arrival,
+            dropped=t.dropped,
+        )
+
     def _final(self, req: EngineRequest, index: int, reason: str, now: float, **kw: Any) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
@@ -400,6 +419,7 @@ class Engine:
                 cached_tokens=req.cached_tokens,
             ),
             timings=self._timings(req, index, now),
+            timeline=self._timeline(req, index, now),
             **kw,
         )
 
@@ -454,6 +474,9 @@ class Engine:
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.cached_tokens = max(0, seq.num_cached_tokens)
+        for seq in plan.preempted:
+            if seq.timeline is not None:
+                seq.timeline.preempted(now)
         chunks = [
             SeqChunk(
                 token_ids=c.seq.token_ids[c.start : c.start + c.num_tokens],
@@ -477,6 +500,7 @@ class Engine:
             return early + self._fail_plan(plan, f"model step failed: {type(exc).__name__}: {exc}")
         t2 = time.perf_counter()
         self.model_time_s += t2 - t1
+        self._record_chunks(plan, now)
         sched.update_after_step(plan)
         if not self.overlap_masks:
             mask_job = self._start_masks(targets)
@@ -494,6 +518,17 @@ class Engine:
             out = done + self._fail_plan(plan, f"sampling failed: {type(exc).__name__}: {exc}")
         self.step_overhead_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
+
+    @staticmethod
+    def _record_chunks(plan: SchedulerOutput, start: float) -> None:
+        """Put the prompt and recompute chunks of the inspected sequences in their timelines (the step
+        began at ``start``; its model pass ended now). Decode steps are recorded when they are sampled."""
+        end = None
+        for c in plan.chunks:
+            t = c.seq.timeline
+            if t is not None and (c.num_tokens > 1 or c.start < c.seq.num_prompt_tokens):
+                end = time.monotonic() if end is None else end
+                t.chunk(start, end, c.num_tokens)
 
     def _fail_plan(self, plan: SchedulerOutput, message: str) -> list[tuple[Hashable, Message]]:
         out: list[tuple[Hashable, Message]] = []
@@ -599,6 +634,7 @@ class Engine:
                 )
                 child.sampling_state = req.states[i]
                 child.num_cached_tokens = seq.num_cached_tokens
+                child.timeline = seq.timeline.fork() if seq.timeline is not None else None
                 req.seqs[i] = child
                 forked.setdefault(seq.seq_id, [seq]).append(child)
         for parent, *children in forked.values():
@@ -617,6 +653,8 @@ class Engine:
             state = req.states[i]
             state.append(tok)
             self.num_generation_tokens += 1
+            if s.timeline is not None:
+                s.timeline.token(now)
             if req.first_token is None:
                 req.first_token = now
             m = state.matcher

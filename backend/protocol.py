@@ -147,6 +147,29 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
     preemptions: int = 0
 
 
+MAX_TIMELINE_EVENTS = 1024  # entries kept per list of a ``Timeline`` (the rest only counted)
+
+
+class Timeline(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the engine did for one choice, asked by ``Submit.inspect``; every time is seconds since the
+    request's arrival at the backend (``time.monotonic()`` differences, the clock of ``Timings``).
+
+    ``chunks``: the prompt chunks computed, ``(start, end, tokens)``: the step that computed them began at
+    ``start`` and its model pass ended at ``end``; recompute chunks after a preemption are listed too (an
+    ``n > 1`` choice shares its parent's prompt chunks). ``first_token``: this choice's first sampled token
+    (equals ``Timings.ttft`` for choice 0). ``decode``: when each later token was sampled, one entry per
+    decode step. ``preemptions``: when the choice was preempted. ``finish``: when it ended. Each list keeps
+    its first ``MAX_TIMELINE_EVENTS`` entries; ``dropped`` counts the entries left out (all lists).
+    """
+
+    chunks: list[tuple[float, float, int]] = []
+    first_token: float | None = None
+    decode: list[float] = []
+    preemptions: list[float] = []
+    finish: float = 0.0
+    dropped: int = 0
+
+
 class Grammar(msgspec.Struct, frozen=True, kw_only=True):
     """A constraint on the generated text, enforced by per-step token masks in the backend's sampler.
 
@@ -190,6 +213,8 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
 
     ``grammar``: constrain every choice's output (None: unconstrained, no cost). Needs the backend's
     ``FEATURE_GRAMMAR``; a backend without it answers ``RequestError`` code ``unsupported_feature``.
+    ``inspect``: the last output of each choice carries its ``Timeline`` (an older backend ignores the
+    flag and sends none).
     """
 
     request_id: str
@@ -198,6 +223,7 @@ class Submit(msgspec.Struct, tag="submit", kw_only=True):
     cache_salt: str = ""
     grammar: Grammar | None = None
     arrival_time: float = 0.0  # sender's time.time(), seconds; informational
+    inspect: bool = False  # record each choice's ``Timeline`` and send it with its last output
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
@@ -243,7 +269,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens of one choice of one request in one engine step.
 
     ``finish_reason`` is None until the choice's last output; the last output
-    carries ``usage`` and ``timings``. ``stop_token_id`` is set when an EOS or
+    carries ``usage`` and ``timings`` (and ``timeline`` when the Submit asked to
+    inspect). ``stop_token_id`` is set when an EOS or
     stop token ended it (that token is NOT in ``new_token_ids``).
     """
 
@@ -255,6 +282,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_id: int | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    timeline: Timeline | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="step", kw_only=True):

@@ -28,6 +28,53 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"  # done (stop/length/abort); holds nothing
 
 
+class SeqTimeline:
+    """The engine events of one sequence, each a time in seconds since ``arrival`` (``time.monotonic()``).
+
+    ``chunks``: ``(start, end, tokens)`` per prompt (or recompute) chunk; ``first_token``: the first token
+    sampled; ``decode``: each later token sampled; ``preemptions``: each preemption. Every list keeps its
+    first ``limit`` entries and ``dropped`` counts the rest, so a long generation stays a bounded record.
+    The wire form is ``backend.protocol.Timeline``.
+    """
+
+    __slots__ = ("arrival", "limit", "chunks", "first_token", "decode", "preemptions", "dropped")
+
+    def __init__(self, arrival: float, limit: int) -> None:
+        self.arrival = arrival
+        self.limit = limit
+        self.chunks: list[tuple[float, float, int]] = []
+        self.first_token: float | None = None
+        self.decode: list[float] = []
+        self.preemptions: list[float] = []
+        self.dropped = 0
+
+    def _keep(self, into: list, item: Any) -> None:
+        if len(into) < self.limit:
+            into.append(item)
+        else:
+            self.dropped += 1
+
+    def chunk(self, start: float, end: float, tokens: int) -> None:
+        """A prompt or recompute chunk of ``tokens`` tokens, computed from ``start`` to ``end`` (monotonic)."""
+        self._keep(self.chunks, (start - self.arrival, end - self.arrival, tokens))
+
+    def token(self, now: float) -> None:
+        """A token was sampled at ``now`` (monotonic): the first one, else a decode step."""
+        if self.first_token is None:
+            self.first_token = now - self.arrival
+        else:
+            self._keep(self.decode, now - self.arrival)
+
+    def preempted(self, now: float) -> None:
+        self._keep(self.preemptions, now - self.arrival)
+
+    def fork(self) -> SeqTimeline:
+        """A copy for a choice forked off this sequence after its prompt (it shares the prompt chunks)."""
+        t = SeqTimeline(self.arrival, self.limit)
+        t.chunks = list(self.chunks)
+        return t
+
+
 class Sequence:
     """One choice of one request.
 
@@ -48,6 +95,7 @@ class Sequence:
         index: choice index in the request.
         arrival_order: FCFS key; admission keeps it, preemption re-queues by it.
         num_preemptions: times this sequence was preempted (recompute).
+        timeline: what the engine did for it and when (``SeqTimeline``), or None (not asked: no cost).
     """
 
     __slots__ = (
@@ -67,6 +115,7 @@ class Sequence:
         "num_preemptions",
         "num_cached_tokens",
         "sampling_state",
+        "timeline",
     )
 
     def __init__(
@@ -98,6 +147,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache at first admission
         self.sampling_state: Any = None
+        self.timeline: SeqTimeline | None = None  # only when the request asked to be inspected
 
     # -------------------------------------------------------------- lengths
 

@@ -3,6 +3,7 @@
 Routes (all declared in ``build_app``):
     POST /v1/chat/completions, POST /v1/completions   OpenAI (gateway/openai/; stream or not, docs/gateway.md)
     GET  /v1/models, /v1/models/{model_id}            the model card per served name (gateway/openai/models.py)
+    GET  /v1/inspect/{request_id}                     a request's inspection record (gateway/inspector/)
     GET  /health, /healthz, /readyz                   probes (gateway/probes.py; public)
     GET  /admin/v1/stats                              engine counters (admin key; gateway/probes.py)
     /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version   Ollama (gateway/ollama/)
@@ -42,6 +43,7 @@ from starlette.routing import BaseRoute, Match, Mount, Route
 
 from gateway.admin.routes import admin_routes, usage_routes
 from gateway.errors import APIError, InternalError, MethodNotAllowed, NotFound
+from gateway.inspector.routes import inspect_routes
 from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
 from gateway.middleware.auth import AuthMiddleware
 from gateway.middleware.body import BodyGuard
@@ -168,6 +170,7 @@ def build_app(gw: Gateway) -> GatewayApp:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+        *inspect_routes(),
         Route("/health", health, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

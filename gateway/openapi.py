@@ -29,6 +29,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.admin import schemas as admin
 from gateway.admin.routes import LeasesCleared
+from gateway.inspector.record import InspectRecord
 from gateway.openai.schemas import ChatChunk, ChatCompletion, ChatRequest, Completion, CompletionRequest
 from gateway.probes import STATS_FIELDS
 from ratelimit.core import RATE_LIMIT_HEADERS
@@ -216,6 +217,8 @@ ROUTES: tuple[Operation, ...] = (
     Operation("GET", "/v1/models", "List models, each with the model card", "tenant", response=ModelList,
               errors=(503,)),
     Operation("GET", "/v1/models/{model_id}", "Retrieve a model", "tenant", response=Model, errors=(404, 503)),
+    Operation("GET", "/v1/inspect/{request_id}", "A request's inspection record (gateway extension)", "tenant",
+              response=InspectRecord, errors=(404,)),
     Operation("GET", "/v1/usage", "The calling tenant's own usage", "tenant", response=admin.Usage,
               errors=(400,), query=("since", "until")),
     Operation("POST", "/api/chat", "Chat (Ollama)", "tenant", OllamaChatRequest, OllamaChatAnswer,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from backend.protocol import RequestOutput, Timings, Usage
+from backend.protocol import RequestOutput, Timeline, Timings, Usage
 from gateway.backends.request import BackendUnavailable
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import InternalError
@@ -44,9 +44,21 @@ class Choice:
         tokens: tokens received for this choice (until it finished).
         finish: the finish reason, set once; afterwards the choice ignores further outputs.
         usage, timings: the backend's, from its last output (None until then).
+        timeline: the backend's ``Timeline`` of the choice, from its last output (None unless inspected).
     """
 
-    __slots__ = ("index", "detok", "stops", "filter", "tools", "tokens", "finish", "usage", "timings")
+    __slots__ = (
+        "index",
+        "detok",
+        "stops",
+        "filter",
+        "tools",
+        "tokens",
+        "finish",
+        "usage",
+        "timings",
+        "timeline",
+    )
 
     def __init__(
         self,
@@ -65,6 +77,7 @@ class Choice:
         self.finish: FinishReason | None = None
         self.usage: Usage | None = None
         self.timings: Timings | None = None
+        self.timeline: Timeline | None = None
 
     @property
     def cut(self) -> bool:
@@ -109,6 +122,8 @@ class Choice:
             self.usage = out.usage
         if out.timings is not None:
             self.timings = out.timings
+        if out.timeline is not None:
+            self.timeline = out.timeline
         if self.filter is not None:
             text = await self.filter.step(text, fin is not None)
             if self.filter.cut:

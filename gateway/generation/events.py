@@ -33,7 +33,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from backend.protocol import TokenLogprob
+from backend.protocol import Timeline, TokenLogprob
 from gateway.tools.parser import ToolCallDelta
 
 FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
@@ -69,13 +69,16 @@ class ChoiceFinished(msgspec.Struct, tag="finish", frozen=True, kw_only=True):
     """Choice ``index`` is over. ``reason``: stop (EOS, stop token or stop string), length (max_tokens or the
     context), content_filter (an output filter cut it; ``content_filter_results`` says why), tool_calls
     (the output ended with complete tool calls).
-    ``completion_tokens``: tokens billed for this choice. ``timings``: of this choice (ns)."""
+    ``completion_tokens``: tokens billed for this choice. ``timings``: of this choice (ns). ``timeline``: the
+    backend's record of this choice (seconds since its arrival there), when the request asked to be
+    inspected (``GenerationRequest.inspect``)."""
 
     index: int
     reason: FinishReason
     completion_tokens: int
     timings: dict[str, int] = {}
     content_filter_results: dict | None = None
+    timeline: Timeline | None = None
 
 
 class Completed(msgspec.Struct, tag="completed", frozen=True, kw_only=True):

@@ -23,6 +23,9 @@ Fields:
         backend (``gateway.structured.checker``).
     tools: the request's tool plan (``gateway.tools.spec.ToolPlan``), or None.
     tool_parser: makes one choice's tool-call parser; None: the output is plain content.
+    inspect: the client asked for an inspection record (the gateway extension ``"inspect": true``): the
+        backend records each choice's timeline and the run's record is kept for the tenant to read back
+        (``gateway.inspector``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     grammar_checks: list[GrammarCheck] = []
     tools: ToolPlan | None = None
     tool_parser: Callable[[], ToolParser] | None = None
+    inspect: bool = False
 
     @property
     def tenant_id(self) -> str:

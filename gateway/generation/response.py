@@ -21,6 +21,8 @@ from gateway.generation.events import Event, EventSink
 from gateway.generation.request import GenerationRequest
 from gateway.generation.run import run_generation
 from gateway.generation.tee import Tee
+from gateway.inspector.record import InspectObserver
+from gateway.inspector.store import InspectStore
 from gateway.observability.record import RecordObserver, RequestRecord
 from gateway.state import Gateway
 from gateway.streaming import CallResponse, ResponseWriter
@@ -41,15 +43,19 @@ def generation_response(
     req: GenerationRequest,
     render: Callable[[ResponseWriter], Renderer],
     record: RequestRecord | None = None,
+    inspections: InspectStore | None = None,
 ) -> CallResponse:
     """A response that runs ``req`` and answers through ``render(writer)``; ``record`` (the request's
-    ``RequestRecord``) is fed the same events."""
+    ``RequestRecord``) is fed the same events, and so is an ``InspectObserver`` keeping the run's inspection
+    record in ``inspections`` when the request asked for one (``req.inspect``)."""
 
     async def produce(w: ResponseWriter) -> None:
         renderer = render(w)
         sinks: list[EventSink] = [renderer]
         if record is not None:
             sinks.append(RecordObserver(record, req))
+        if inspections is not None and req.inspect:
+            sinks.append(InspectObserver(inspections, gw.tokenizer, req))
         try:
             await run_generation(gw, req, Tee(*sinks))
         except APIError as exc:

@@ -230,6 +230,7 @@ class _Run:
             cache_salt=req.tenant_id,
             arrival_time=time.time(),
             grammar=req.grammar,
+            inspect=req.inspect,
         )
         with client.open_request(submit, max_backlog=self.gw.settings.backend.max_backlog_tokens) as handle:
             self.handle, self.t_submit = handle, handle.submitted_at
@@ -288,6 +289,7 @@ class _Run:
                     completion_tokens=ch.completion_tokens,
                     timings=self.timings(ch),
                     content_filter_results=ch.filter.result if ch.cut and ch.filter is not None else None,
+                    timeline=ch.timeline,
                 )
             )
 

@@ -4,7 +4,8 @@ Each handler reads the body (413 over ``max_body_bytes``), decodes it into its t
 the JSON path of a wrong type), prepares a ``GenerationRequest`` (``gateway.openai.prepare``; every check
 there answers before any byte is sent) and answers with ``generation_response``: the run's events rendered
 as SSE chunks (``gateway.openai.stream``) or one JSON body (``gateway.openai.body``). Admission (429) and
-the backend pick (503) happen inside the run, still before the status line.
+the backend pick (503) happen inside the run, still before the status line. A body with ``"inspect": true``
+also leaves an inspection record for ``GET /v1/inspect/{id}`` (``gateway.inspector``).
 
 Sources: OpenAI API reference, "Create chat completion", "Create completion" (legacy).
 """
@@ -16,6 +17,7 @@ from functools import partial
 from starlette.requests import Request
 
 from gateway.generation.response import generation_response
+from gateway.inspector.routes import inspect_store
 from gateway.observability.record import get_record
 from gateway.openai.body import ChatBody, CompletionBody
 from gateway.openai.prepare import prepare_chat, prepare_completion
@@ -33,8 +35,9 @@ async def chat_completions(request: Request) -> CallResponse:
     principal = await gw.authenticate(request)
     req = decode_chat(await read_body(request, gw.config.max_body_bytes))
     greq = await prepare_chat(gw, req, principal=principal, api="openai", t_arrival=rec.t_arrival)
+    greq.inspect = req.inspect
     render = ChatStream if greq.stream else ChatBody
-    return generation_response(gw, greq, partial(render, gw, greq), rec)
+    return generation_response(gw, greq, partial(render, gw, greq), rec, inspect_store(request))
 
 
 async def completions(request: Request) -> CallResponse:
@@ -44,5 +47,6 @@ async def completions(request: Request) -> CallResponse:
     principal = await gw.authenticate(request)
     req = decode_completion(await read_body(request, gw.config.max_body_bytes))
     greq = await prepare_completion(gw, req, principal=principal, api="openai", t_arrival=rec.t_arrival)
+    greq.inspect = req.inspect
     render = CompletionStream if greq.stream else CompletionBody
-    return generation_response(gw, greq, partial(render, gw, greq), rec)
+    return generation_response(gw, greq, partial(render, gw, greq), rec, inspect_store(request))

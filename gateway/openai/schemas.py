@@ -11,7 +11,8 @@ list holds every field served (OpenAI's, and the vLLM extras implemented: top_k,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 continue_final_message, add_generation_prompt, structured_outputs), the OpenAI fields that change
 nothing here (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``), and the OpenAI fields not served (``audio``, ``modalities`` other than
+``safety_identifier``), the gateway's own extension ``inspect`` (keep the request's inspection record for
+``GET /v1/inspect/{id}``, docs/inspector.md), and the OpenAI fields not served (``audio``, ``modalities`` other than
 ``["text"]``, ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``, legacy
 ``functions``/``function_call``): those are a 400 ``unsupported_parameter`` when given
 (``gateway.openai.validation``). Members of ``messages`` are the chat template's business.
@@ -74,6 +75,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    inspect: bool = False  # gateway extension: keep an inspection record (GET /v1/inspect/{id})
 
 
 class ChatRequest(SamplingFields, kw_only=True):
