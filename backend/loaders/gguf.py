@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from backend.loaders.gguf_file import GGUFFile
-from backend.loaders.memory import MemoryBudget
+from backend.loaders.memory import LazyTensors, LoadSize, MemoryBudget
 from backend.models.llama import LlamaConfig, LlamaWeights
 from backend.protocol import ModelCard
 
@@ -254,6 +254,37 @@ def read_gguf_config(reader: GGUFFile) -> tuple[LlamaConfig, dict]:
     return cfg, meta
 
 
+def _dequantize(t) -> torch.Tensor:
+    """A ``GGUFTensor`` as a float32 CPU tensor (``gguf.quants.dequantize``; torch shape = GGUF dims reversed).
+
+    Raises:
+        ValueError: a type gguf cannot dequantize.
+    """
+    import gguf
+
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"tensor '{t.name}' has type {t.tensor_type.name}, which gguf cannot dequantize"
+        ) from None
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return torch.from_numpy(arr)
+
+
+def _fused_rows(cfg: LlamaConfig, kind: str, rows: int) -> list[tuple[str, int]]:
+    """The ``(kind, rows)`` parts a file tensor of ``rows`` rows gives (see ``_split_fused``)."""
+    if kind == "attn_qkv":
+        return [("attn_q", cfg.num_heads * cfg.head_dim)] + [
+            (k, cfg.num_kv_heads * cfg.head_dim) for k in ("attn_k", "attn_v")
+        ]
+    if kind == "ffn_up" and rows == 2 * cfg.intermediate_size:
+        return [("ffn_gate", cfg.intermediate_size), ("ffn_up", cfg.intermediate_size)]
+    return [(kind, rows)]
+
+
 def _split_fused(
     cfg: LlamaConfig, kind: str, ten: torch.Tensor, raw
 ) -> Iterator[tuple[str, torch.Tensor, tuple]]:
@@ -319,48 +350,65 @@ def load_gguf(
     if budget is not None:
         names_ = {t.name: t for t in reader.tensors}
         n4 = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q4_K))
-        head = names_.get("output.weight") or names_.get("token_embd.weight")
-        budget.check(
-            sum(int(t.n_elements) for t in reader.tensors),
-            n4 if keep_q4 else 0,
-            head.n_elements if head else 0,
+        kept = [names_[n].n_elements for n in ("token_embd.weight", "output.weight") if n in names_]
+        layer = [t.n_elements for t in reader.tensors if t.name.startswith("blk.")]
+        size = LoadSize(
+            params=sum(int(t.n_elements) for t in reader.tensors),
+            q4_params=n4 if keep_q4 else 0,
+            head_params=kept[-1] if kept else 0,
+            kept=sum(kept),
+            largest=max(layer, default=0),
+            file_bytes=path.stat().st_size,
         )
+        budget.check(size)
     permuted = cfg.architecture in PERMUTED_ARCHS
-    tensors: dict[str, torch.Tensor] = {}
+    tensors, q4 = LazyTensors(), LazyTensors()
     rope_freqs = None
-    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    four_bit = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
     for t in reader.tensors:
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ValueError(
-                f"tensor '{t.name}' has type {t.tensor_type.name}, which gguf cannot dequantize"
-            ) from None
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not arr.flags.writeable:
-            arr = arr.copy()
-        ten = torch.from_numpy(arr)
         if t.name in ("rope_freqs.weight", "rope_factors_short.weight"):
-            rope_freqs = ten.reshape(-1)
+            rope_freqs = _dequantize(t).reshape(-1)
             continue
+        shape = tuple(reversed(t.shape))  # torch order: [rows, row length]
         if t.name in _GLOBAL_MAP:
-            tensors[_GLOBAL_MAP[t.name]] = ten
+            LazyTensors.defer(
+                lambda t=t: {"w": {_GLOBAL_MAP[t.name]: _dequantize(t)}},
+                {"w": (tensors, {_GLOBAL_MAP[t.name]: shape})},
+            )
             continue
         parts = t.name.split(".")
         if not (len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias")):
             continue  # other tensors (e.g. rope caches of old files) are ignored
         i, leaf = int(parts[1]), parts[3]
-        raw = q4_groups(t.data, t.tensor_type) if keep_q4 and ten.dim() == 2 else None
-        for kind, part, part_raw in _split_fused(cfg, parts[2], ten, raw):
-            if kind not in _LAYER_MAP:
-                continue
-            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind) if permuted else None
-            if heads:
-                part = unpermute_qk(part, heads)
-            name = f"model.layers.{i}.{_LAYER_MAP[kind]}.{leaf}"
-            tensors[name] = part.contiguous()
-            if part_raw is not None:
-                q4[name] = tuple(unpermute_qk(r, heads).contiguous() for r in part_raw) if heads else part_raw
+        names = {}
+        for kind, rows in _fused_rows(cfg, parts[2], shape[0]):
+            if kind in _LAYER_MAP:
+                names[f"model.layers.{i}.{_LAYER_MAP[kind]}.{leaf}"] = (kind, (rows, *shape[1:]))
+        with_q4 = keep_q4 and len(shape) == 2 and t.tensor_type in four_bit
+
+        def make(t=t, kind=parts[2], i=i, leaf=leaf, with_q4=with_q4) -> dict[str, dict]:
+            ten = _dequantize(t)
+            raw = q4_groups(t.data, t.tensor_type) if with_q4 else None
+            out: dict[str, dict] = {"w": {}, "q4": {}}
+            for part_kind, part, part_raw in _split_fused(cfg, kind, ten, raw):
+                if part_kind not in _LAYER_MAP:
+                    continue
+                heads = (
+                    {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(part_kind) if permuted else None
+                )
+                name = f"model.layers.{i}.{_LAYER_MAP[part_kind]}.{leaf}"
+                out["w"][name] = (unpermute_qk(part, heads) if heads else part).contiguous()
+                if part_raw is not None:
+                    out["q4"][name] = (
+                        tuple(unpermute_qk(r, heads).contiguous() for r in part_raw) if heads else part_raw
+                    )
+            return out
+
+        shapes = {name: shp for name, (_, shp) in names.items()}
+        parts_ = {"w": (tensors, shapes)}
+        if with_q4:
+            parts_["q4"] = (q4, dict.fromkeys(shapes, ()))
+        LazyTensors.defer(make, parts_)
     check_tensors(cfg, tensors, display=gguf_tensor_name)
     card = ModelCard(
         name=path.stem,
@@ -392,7 +440,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def check_tensors(
-    cfg: LlamaConfig, tensors: dict[str, torch.Tensor], *, display: Callable[[str], str] = str
+    cfg: LlamaConfig, tensors: dict[str, torch.Tensor] | LazyTensors, *, display: Callable[[str], str] = str
 ) -> None:
     """Check presence and shapes of every tensor the model needs (HF names in ``tensors``).
 
@@ -430,7 +478,6 @@ def check_tensors(
     for name, shape in want.items():
         if name not in tensors:
             raise ValueError(f"tensor '{display(name)}' missing")
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"tensor '{display(name)}' has shape {tuple(tensors[name].shape)}, expected {shape}"
-            )
+        have = tensors.shape(name) if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
+        if have != shape:
+            raise ValueError(f"tensor '{display(name)}' has shape {have}, expected {shape}")

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from backend.loaders.gguf import check_tensors
-from backend.loaders.memory import MemoryBudget
+from backend.loaders.memory import LazyTensors, LoadSize, MemoryBudget
 from backend.models.llama import LlamaConfig, LlamaWeights
 from backend.protocol import ModelCard
 
@@ -177,20 +177,24 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _fused_parts(cfg: LlamaConfig, name: str, ten: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """phi3's ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` as the llama q/k/v and gate/up tensors."""
+def _fused_names(cfg: LlamaConfig, name: str, rows: int) -> list[tuple[str, int]]:
+    """phi3's ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` as the llama q/k/v and gate/up names and their row
+    counts; any other tensor as it is.
+
+    Raises:
+        ValueError: a fused tensor of the wrong row count.
+    """
     hd = cfg.head_dim
     if name.endswith("self_attn.qkv_proj.weight"):
         sizes = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
-        new = ["q_proj", "k_proj", "v_proj"]
-        old = "qkv_proj"
+        new, old = ["q_proj", "k_proj", "v_proj"], "qkv_proj"
     elif name.endswith("mlp.gate_up_proj.weight"):
         sizes, new, old = [cfg.intermediate_size] * 2, ["gate_proj", "up_proj"], "gate_up_proj"
     else:
-        return [(name, ten)]
-    if ten.shape[0] != sum(sizes):
-        raise ValueError(f"tensor '{name}' has {ten.shape[0]} rows, expected {sum(sizes)}")
-    return [(name.replace(old, n), p.contiguous()) for n, p in zip(new, ten.split(sizes, 0))]
+        return [(name, rows)]
+    if rows != sum(sizes):
+        raise ValueError(f"tensor '{name}' has {rows} rows, expected {sum(sizes)}")
+    return [(name.replace(old, n), r) for n, r in zip(new, sizes)]
 
 
 def load_hf(path: str | Path, *, budget: MemoryBudget | None = None) -> tuple[LlamaWeights, ModelCard]:
@@ -222,21 +226,35 @@ def load_hf(path: str | Path, *, budget: MemoryBudget | None = None) -> tuple[Ll
         raise ValueError(f"{cfg_file.name} is not valid JSON: {exc}") from None
     cfg = read_hf_config(raw)
     files = safetensors_files(path)
-    if budget is not None:
-        sizes = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    sizes[k] = math.prod(fh.get_slice(k).get_shape())
-        budget.check(
-            sum(sizes.values()), 0, sizes.get("lm_head.weight") or sizes.get("model.embed_tokens.weight", 0)
-        )
-    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
-                for name, ten in _fused_parts(cfg, k, fh.get_tensor(k).to(torch.float32)):
-                    tensors[name] = ten
+                shapes[k] = (f, tuple(fh.get_slice(k).get_shape()))
+    if budget is not None:
+        sizes = {k: math.prod(shape) for k, (_, shape) in shapes.items()}
+        kept = [sizes[n] for n in ("model.embed_tokens.weight", "lm_head.weight") if n in sizes]
+        layer = [v for k, v in sizes.items() if k.startswith("model.layers.")]
+        size = LoadSize(
+            params=sum(sizes.values()),
+            head_params=kept[-1] if kept else 0,
+            kept=sum(kept),
+            largest=max(layer, default=0),
+            file_bytes=sum(f.stat().st_size for f in files),
+        )
+        budget.check(size)
+    tensors = LazyTensors()
+    for k, (f, shape) in shapes.items():
+        parts = _fused_names(cfg, k, shape[0] if shape else 0)
+
+        def make(f=f, k=k, parts=parts) -> dict[str, dict]:
+            with safe_open(str(f), framework="pt") as fh:
+                ten = fh.get_tensor(k).to(torch.float32)
+            if len(parts) == 1:
+                return {"w": {k: ten}}
+            return {"w": {n: p.contiguous() for (n, _), p in zip(parts, ten.split([r for _, r in parts], 0))}}
+
+        LazyTensors.defer(make, {"w": (tensors, {n: (r, *shape[1:]) for n, r in parts})})
     for name in tensors:
         if name.endswith(".bias") and not name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
             raise ValueError(

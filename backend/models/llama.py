@@ -28,6 +28,7 @@ RoPE, ``_compute_llama3_parameters``), ``modeling_qwen2.py`` (q/k/v bias),
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import torch
@@ -93,7 +94,8 @@ class LlamaConfig:
 
 @dataclass
 class LlamaWeights:
-    """A loaded model: config + float32 CPU tensors in HF naming.
+    """A loaded model: config + float32 CPU tensors in HF naming (a ``dict``, or the loaders'
+    ``LazyTensors``, which makes each tensor when it is first read).
 
     ``tensors`` keys: ``model.embed_tokens.weight [V, H]``, ``model.norm.weight [H]``,
     optional ``lm_head.weight [V, H]`` (absent when tied), and per layer ``i``
@@ -109,10 +111,10 @@ class LlamaWeights:
     """
 
     config: LlamaConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: MutableMapping[str, torch.Tensor]
     rope_freqs: torch.Tensor | None = None
     meta: dict = field(default_factory=dict)
-    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    q4: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def rope_inv_freq(config: LlamaConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:

@@ -259,17 +259,18 @@ def test_memory_budget_refuses_in_one_line(tmp_path, written, monkeypatch, capsy
 
 def test_budget_estimate_of_a_1_5b_qwen2() -> None:
     """Qwen2.5-1.5B (28 layers, H 1536, I 8960, 12/2 heads of 128, vocab 151936, tied): its default-mode
-    estimate (bfloat16 on CPU, every matrix 4-bit, 512 MiB KV; 13.5 GiB) is under 24 GiB."""
-    from backend.loaders.memory import MemoryBudget
+    estimate (bfloat16 on CPU, every matrix 4-bit in a 0.6 byte-per-parameter file, 512 MiB KV; 9.6 GiB)
+    is under 24 GiB."""
+    from backend.loaders.memory import LoadSize, MemoryBudget
 
     H, inter, L, V = 1536, 8960, 28, 151936
     per_layer = H * (12 * 128) * 2 + H * (2 * 128) * 2 + 3 * H * inter + 2 * H + 2 * 128 * 2 + 12 * 128
     params = V * H + L * per_layer + H
     assert 1.5e9 < params < 1.6e9
     budget = MemoryBudget(limit=24 << 30, source="24 GiB", compute_bytes=2, extra_bytes=512 << 20)
-    need = budget.need(params, params, V * H)
-    assert 13 << 30 < need < 14 << 30
-    budget.check(params, params, V * H)
+    size = LoadSize(params, params, V * H, V * H, H * inter, int(0.6 * params))
+    assert 9 << 30 < budget.need(size) < 10 << 30
+    budget.check(size)
 
 
 def test_hf_missing_files_name_the_file(tmp_path) -> None:
