@@ -352,3 +352,21 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path, written) -> None:
         with pytest.raises(ValueError, match="truncated or corrupt GGUF file") as exc:
             load_gguf(tmp_path / "cut.gguf")
         assert "\n" not in str(exc.value)
+
+
+def test_tensors_are_dequantized_when_taken(written, monkeypatch) -> None:
+    """``load_gguf`` reads no weight: each tensor is dequantized when the model takes it (so the float32 copy
+    of the whole model never exists at once), phi3's fused qkv once for its three parts."""
+    import backend.loaders.gguf as loader
+
+    made = []
+    dequantize = loader._dequantize
+    monkeypatch.setattr(loader, "_dequantize", lambda t: made.append(t.name) or dequantize(t))
+    weights, _ = load_gguf(written["phi3"][0])
+    t = weights.tensors
+    assert made == [] and len(t) == 3 + 2 * 9  # embedding, norm, output; 9 per layer
+    assert t.shape("model.layers.1.self_attn.k_proj.weight") == (2 * 16, 64) and made == []
+    q = t.pop("model.layers.1.self_attn.q_proj.weight")
+    k, v = t.pop("model.layers.1.self_attn.k_proj.weight"), t.pop("model.layers.1.self_attn.v_proj.weight")
+    assert made == ["blk.1.attn_qkv.weight"] and q.shape == (64, 64) and k.shape == v.shape == (32, 64)
+    assert "model.layers.1.self_attn.q_proj.weight" not in t and len(t) == 3 + 2 * 9 - 3
