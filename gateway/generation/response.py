@@ -55,7 +55,8 @@ def generation_response(
         if record is not None:
             sinks.append(RecordObserver(record, req))
         if inspections is not None and req.inspect:
-            sinks.append(InspectObserver(inspections, gw.tokenizer, req))
+            alias = record.request_id if record is not None else None
+            sinks.append(InspectObserver(inspections, gw.tokenizer, req, alias))
         try:
             await run_generation(gw, req, Tee(*sinks))
         except APIError as exc:

@@ -130,12 +130,15 @@ def timeline_view(t: Timeline, queue_s: float, backend_start: int) -> TimelineVi
 
 class InspectObserver:
     """An ``EventSink`` that keeps the run's ``InspectRecord`` in ``store`` under the request's tenant once
-    the run completed."""
+    the run completed, readable by the response's id or by ``alias``."""
 
-    def __init__(self, store: InspectStore, vocab: Vocabulary, req: GenerationRequest) -> None:
+    def __init__(
+        self, store: InspectStore, vocab: Vocabulary, req: GenerationRequest, alias: str | None = None
+    ) -> None:
         self.store = store
         self.vocab = vocab
         self.req = req
+        self.alias = alias  # the HTTP request's x-request-id
         self.finished: dict[int, ChoiceFinished] = {}
 
     async def emit(self, event: Event) -> None:
@@ -143,7 +146,8 @@ class InspectObserver:
             self.finished[event.index] = event
         elif isinstance(event, Completed):
             rec = self.record(event)
-            self.store.put(self.req.tenant_id, self.req.request_id, msgspec.json.encode(rec))
+            data = msgspec.json.encode(rec)
+            self.store.put(self.req.tenant_id, self.req.request_id, data, alias=self.alias)
 
     def record(self, done: Completed) -> InspectRecord:
         req = self.req

@@ -32,6 +32,15 @@ def test_store_is_per_tenant():
     assert (s.get("t1", "r"), s.get("t2", "r")) == (b"one", b"two")
 
 
+def test_store_reads_by_alias():
+    s = InspectStore(per_tenant=2)
+    s.put("t", "chatcmpl-1", b"one", alias="req-1")
+    assert s.get("t", "req-1") == s.get("t", "chatcmpl-1") == b"one" and s.get("u", "req-1") is None
+    s.put("t", "chatcmpl-2", b"two", alias="req-2")
+    s.put("t", "chatcmpl-3", b"three", alias="req-3")  # pushes the first out, its alias with it
+    assert s.get("t", "req-1") is None and s.get("t", "req-3") == b"three" and len(s) == 2
+
+
 def test_store_expires_records():
     clock = Clock()
     s = InspectStore(ttl_s=10, clock=clock)
