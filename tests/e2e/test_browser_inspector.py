@@ -47,11 +47,11 @@ SEND = """async ({key, model, system}) => {
 }"""
 
 
-def _inspector_loaded(page) -> None:
-    if not page.evaluate("() => !!window.Inspector"):  # a playground page that does not load it (yet)
-        page.add_style_tag(url="/static/inspector.css")
-        page.add_script_tag(url="/static/inspector.js")
-    assert page.evaluate("() => typeof window.Inspector.open") == "function"
+def _inspector_loaded(pg) -> None:
+    if not pg.evaluate("() => !!window.Inspector"):  # a playground page that does not load it (yet)
+        pg.add_style_tag(url="/static/inspector.css")
+        pg.add_script_tag(url="/static/inspector.js")
+    assert pg.evaluate("() => typeof window.Inspector.open") == "function"
 
 
 def test_inspector_on_a_partly_cached_answer(gw, page):  # noqa: F811 - fixtures
