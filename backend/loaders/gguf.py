@@ -1,9 +1,10 @@
 """Load a llama-family GGUF file (``llama``, ``qwen2``, ``qwen3``, ``phi3``) into float32 ``LlamaWeights`` + a ``ModelCard``.
 
 The file is read with ``GGUFFile`` (one pass over a memory map; ``gguf.GGUFReader`` took 12 s for a Qwen2
-vocabulary's metadata). Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (every type it handles: F32, F16,
-BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, the IQ types, TQ1_0/TQ2_0, MXFP4), and renamed
-to Hugging Face ``LlamaForCausalLM`` names. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k``
+vocabulary's metadata). Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (every type
+it handles: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, the IQ types,
+TQ1_0/TQ2_0, MXFP4, NVFP4) when the model takes it (``LazyTensors``), under its Hugging Face
+``LlamaForCausalLM`` name. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k``
 of ``llama`` files for its interleaved (GPT-J style) RoPE; we un-permute them back to HF's rotate-half
 layout (the inverse of ``convert_hf_to_gguf.LlamaModel.permute``, as transformers' GGUF loader does).
 ``qwen2``/``qwen3``/``phi3`` files are written unpermuted (their llama.cpp RoPE is the NEOX, rotate-half kind).
@@ -318,7 +319,8 @@ def load_gguf(
         budget: checked against the tensors' sizes (from their shapes) before anything is dequantized.
 
     Returns:
-        ``(weights, card)``: float32 CPU tensors in HF naming (see ``LlamaWeights``) and a ``ModelCard``
+        ``(weights, card)``: float32 CPU tensors in HF naming (see ``LlamaWeights``; a ``LazyTensors``: each
+        is read and dequantized when first taken, the errors of that step too) and a ``ModelCard``
         (name = the file's stem, architecture, context length, vocab size, BOS, stop ids = eos + eot + eom,
         ``tokenizer.chat_template``, quantization = the file type name, e.g. ``"Q4_1"``).
 

@@ -205,7 +205,8 @@ def load_hf(path: str | Path, *, budget: MemoryBudget | None = None) -> tuple[Ll
         budget: checked against the tensors' sizes (from the safetensors headers) before any is read.
 
     Returns:
-        ``(weights, card)``: float32 CPU tensors in HF llama naming and a ``ModelCard`` (name = directory
+        ``(weights, card)``: float32 CPU tensors in HF llama naming (a ``LazyTensors``: each read from its
+        safetensors file when first taken) and a ``ModelCard`` (name = directory
         name, architecture = the family, quantization = the checkpoint's ``torch_dtype``/``dtype``, e.g.
         ``"bfloat16"``).
 
