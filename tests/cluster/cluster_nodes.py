@@ -82,6 +82,10 @@ class SharedStore(Protocol):
         """Start it again on the same address, with its data; returns once it accepts connections."""
         ...
 
+    def ensure(self) -> None:
+        """Start it again if a test left it stopped (SQLite: nothing to do)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -112,6 +116,9 @@ class SqliteStore:
     def start(self) -> None:
         pytest.skip("the shared store is a SQLite file: there is no database server to start")
 
+    def ensure(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -140,6 +147,10 @@ class PostgresStore:
     def start(self) -> None:
         restart_postgres(self.handle)
         wait_for_postgres(self.url)
+
+    def ensure(self) -> None:
+        if not (self.handle.data / "postmaster.pid").exists():
+            self.start()
 
     def close(self) -> None:
         stop_postgres(self.handle)
@@ -302,6 +313,12 @@ class Cluster:
         """Start Redis again on its port if a test left it stopped."""
         if self.redis_proc.poll() is not None:
             self.redis_proc, _ = start_redis(self.folder, port=redis_port(self.redis_url))
+
+    def heal(self) -> None:
+        """Start again the database server and Redis if a test (one that failed half-way) left them stopped;
+        the gateways are started again by :meth:`node`."""
+        self.store.ensure()
+        self.ensure_redis()
 
     def lease_count(self, tenant_id: str) -> int:
         """The members of ``tenant_id``'s lease set in Redis: its admitted requests not yet released (a
