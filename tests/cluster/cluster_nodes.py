@@ -1,6 +1,6 @@
 """The parts of a cluster on one machine, and the helpers of the cluster tests.
 
-:func:`open_cluster` (the ``cluster`` fixture of ``tests/cluster/conftest.py``, once per session) starts:
+:func:`open_cluster` (the ``cluster_session`` fixture of ``tests/cluster/conftest.py``) starts:
 
 * one shared store: a PostgreSQL server (``tests/plugins/postgres_server.py``) and a database on it
   (``--db postgresql://...``); with ``LLM_GATEWAY_CLUSTER_STORE=sqlite``, one SQLite file instead (the tests
@@ -13,7 +13,7 @@
   ``plugins.gateway_server.start_gateway``), sharing the store, Redis and the backend. ``A`` starts first:
   it creates the schema and the ``default`` tenant, ``B`` opens them.
 
-A test that kills or stops a part gets it back through :meth:`Cluster.node` / :meth:`Cluster.ensure_redis`, so
+A test that kills or stops a part gets it back through :meth:`Cluster.node` and :meth:`Cluster.heal`, so
 the tests do not depend on their order (the files run in name order; the one that kills ``A`` runs last, so a
 full run restarts nothing).
 
@@ -55,9 +55,8 @@ BACKEND_START_S = 300.0  # seconds the shared backend gets to load the model (sl
 # LEDGER_BATCH rows, which bounds what a crash loses; each gateway spools in a folder of its own
 LEDGER_FLUSH_S = 0.5
 LEDGER_BATCH = 512
-SQLITE_KEY_CACHE_S = (
-    0.5  # --key-cache-s of the gateways on a shared SQLite file (the default 1 s is the bound)
-)
+# --key-cache-s of the gateways on a shared SQLite file (no change feed; the default 1 s is the whole bound)
+SQLITE_KEY_CACHE_S = 0.5
 
 
 class SharedStore(Protocol):
