@@ -16,8 +16,9 @@ A record (``GET /v1/inspect/{request_id}``, gateway extension) holds:
   ``timings.ttft_duration``, a little later); ``decode``: each later token; ``preemptions``; ``finish``;
   ``dropped``: timeline entries left out (the backend keeps ``MAX_TIMELINE_EVENTS`` per list).
 
-The record is built once, at ``Completed`` (a run that failed or whose client left keeps none), and kept
-encoded in the ``InspectStore`` under the request's tenant.
+The record is built once, at ``Completed`` (a run that failed or whose client left keeps none; a prompt
+over ``THREAD_TOKENS`` tokens in a worker thread, off the event loop), and kept encoded in the
+``InspectStore`` under the request's tenant.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 from typing import Literal, Protocol
 
 import msgspec
+import trio
 
 from backend.protocol import Timeline
 from gateway.generation.events import ChoiceFinished, Completed, Event
@@ -36,6 +38,7 @@ from gateway.openai.renderer import usage_out
 from gateway.openai.schemas import UsageOut
 
 _NS = 1_000_000_000
+THREAD_TOKENS = 1024  # a longer prompt's record is built in a worker thread (8000 tokens: ~7 ms, 124 KB)
 
 
 class Vocabulary(Protocol):
@@ -145,9 +148,15 @@ class InspectObserver:
         if isinstance(event, ChoiceFinished):
             self.finished[event.index] = event
         elif isinstance(event, Completed):
-            rec = self.record(event)
-            data = msgspec.json.encode(rec)
+            if len(self.req.prompt_ids) > THREAD_TOKENS:
+                data = await trio.to_thread.run_sync(self.encoded, event)
+            else:
+                data = self.encoded(event)
             self.store.put(self.req.tenant_id, self.req.request_id, data, alias=self.alias)
+
+    def encoded(self, done: Completed) -> bytes:
+        """The record as JSON bytes (CPU work proportional to the prompt's length)."""
+        return msgspec.json.encode(self.record(done))
 
     def record(self, done: Completed) -> InspectRecord:
         req = self.req

@@ -2,7 +2,7 @@
 
 A record is kept ``ttl_s`` seconds (default 600) under its tenant and request id (and one alias: the HTTP
 request's ``x-request-id``, which differs from the response's ``id``); a tenant keeps at most
-``per_tenant`` records (default 32) and the store at most ``total`` (default 512): the oldest goes first.
+``per_tenant`` records (default 32) and the store at most ``total`` (default 256): the oldest goes first.
 A record is read back only under the tenant that wrote it: another tenant's id is simply absent. Records are
 stored encoded (JSON bytes) and never change. Expired records are dropped as the store is used (every
 ``put`` and ``get``), so its memory is bounded by ``total`` records whatever the traffic.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 TTL_S = 600.0  # seconds a record is kept
 PER_TENANT = 32  # records kept per tenant
-TOTAL = 512  # records kept in all
+TOTAL = 256  # records kept in all (an 8000-token prompt makes a record of ~124 KB)
 
 
 class InspectStore:

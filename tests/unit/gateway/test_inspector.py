@@ -11,7 +11,7 @@ import trio
 from backend.protocol import SamplingParams, Timeline
 from gateway.generation.events import ChoiceFinished, Completed
 from gateway.generation.request import GenerationRequest
-from gateway.inspector.record import InspectObserver, InspectRecord, prompt_view
+from gateway.inspector.record import THREAD_TOKENS, InspectObserver, InspectRecord, prompt_view
 from gateway.inspector.store import InspectStore
 
 
@@ -98,7 +98,7 @@ def test_observer_keeps_the_record_of_a_completed_run():
             await obs.emit(e)
 
     trio.run(main)
-    assert store.get("other", "chatcmpl-x") is None
+    assert store.get("other", "chatcmpl-x") is None and len(store) == 1
     rec = msgspec.json.decode(store.get("", "chatcmpl-x"), type=InspectRecord)
     assert rec.prompt.tokens == ["<s>", "caf", " ok"] and rec.prompt.cached_tokens == 2
     assert rec.usage.prompt_tokens == 3 and rec.usage.prompt_tokens_details.cached_tokens == 2
@@ -108,3 +108,16 @@ def test_observer_keeps_the_record_of_a_completed_run():
     assert t.chunks == [(6_000_000, 7_000_000, 3)] and t.first_token == 7_000_000
     assert t.decode == [8_000_000] and t.finish == 8_000_000
     assert t.first_token <= rec.timings["ttft_duration"]
+
+
+def test_observer_builds_a_long_prompt_record_off_the_loop():
+    store = InspectStore()
+    ids = [1, 4] * (THREAD_TOKENS // 2 + 1)
+    req = GenerationRequest(
+        request_id="cmpl-long", api="openai", model="m", prompt_ids=ids, sampling=SamplingParams()
+    )
+    obs = InspectObserver(store, Vocab(), req, alias="req-long")
+    trio.run(obs.emit, Completed(prompt_tokens=len(ids), completion_tokens=0, cached_tokens=16))
+    rec = msgspec.json.decode(store.get("", "req-long"), type=InspectRecord)
+    assert rec.prompt.text == "caf ok" * (len(ids) // 2) and rec.prompt.cached_tokens == 16
+    assert rec.choices == []  # no choice finished: no timeline
