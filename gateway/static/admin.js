@@ -79,9 +79,11 @@
     return { bounds, cum: bounds.map((b) => byLe.get(b)) };
   }
 
-  /** Observations of `now` minus those of `old` (same bounds), cumulative. */
+  /** Observations of `now` minus those of `old` (same bounds), cumulative; `now` itself when `old` has
+   * other buckets or more observations (the gateway restarted). */
   function delta(now, old) {
-    if (!old || old.bounds.length !== now.bounds.length) return now;
+    const n = (h) => (h.cum.length ? h.cum[h.cum.length - 1] : 0);
+    if (!old || old.bounds.length !== now.bounds.length || n(old) > n(now)) return now;
     return { bounds: now.bounds, cum: now.cum.map((c, i) => Math.max(0, c - old.cum[i])) };
   }
 
@@ -262,8 +264,10 @@
     state.timer = null;
     if (!state.key || document.visibilityState !== "visible") return;
     try {
-      const [stats, metrics] = await Promise.all([call("GET", "/admin/v1/stats"), call("GET", "/metrics")]);
-      renderEngine(stats, metrics);
+      // /metrics is optional (no histograms: no percentiles); the stats are not
+      const metrics = call("GET", "/metrics").catch(() => "");
+      const [stats, text] = await Promise.all([call("GET", "/admin/v1/stats"), metrics]);
+      renderEngine(stats, text);
       if (Date.now() - state.lastTenants >= TENANT_MS) await loadTenants();
       banner("error", "");
       $("status").textContent = "live · every " + POLL_MS / 1000 + " s · " + new Date().toLocaleTimeString();
