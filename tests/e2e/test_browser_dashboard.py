@@ -5,7 +5,8 @@ Checks: the page loads without a key; a wrong admin key shows a 401 and the righ
 call carrying it as a bearer token; while 8 streams run the page shows running = 8, tokens/s and TTFT/ITL
 percentiles, and a KV grid with used blocks, and running = 0 once they are gone; a tenant created, its
 limits edited, a key created (shown once) and revoked through the page, each read back through the admin
-API. No request leaves the gateway's origin. With ``LLM_GATEWAY_SCREENSHOTS=1`` the streams test saves
+API; the page's percentiles equal Prometheus' histogram_quantile over the same /metrics text. No request
+leaves the gateway's origin. With ``LLM_GATEWAY_SCREENSHOTS=1`` the streams test saves
 docs/img/dashboard.png (1280x800).
 
 Skipped when /usr/bin/chromium is missing, or while the gateway does not serve tenancy yet.
@@ -231,4 +232,43 @@ def test_tenant_limits_and_keys_through_page(gw, page):
     assert httpx.get(models, headers={"Authorization": f"Bearer {secret}"}, timeout=30).status_code == 401
     keys = httpx.get(gw.base_url + f"/admin/v1/tenants/{tid}/keys", headers=A, timeout=30).json()["data"]
     assert [k["revoked_at"] is not None for k in keys] == [True]
+    same_origin(page, gw)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative ``(le, count)`` buckets sorted by ``le``: linear
+    inside the bucket holding rank ``q * total``; the highest finite bound when that is the +Inf bucket
+    (https://prometheus.io/docs/prometheus/latest/querying/functions/#histogram_quantile)."""
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - below) / (count - below) if count > below else le
+        lower, below = le, count
+    return None
+
+
+def test_percentiles_follow_histogram_quantile(gw, page):
+    r = post_json(gw, "/v1/chat/completions", chat_body(gw, "Hi", max_tokens=3), timeout=120)
+    assert r.status_code == 200, r.text  # a TTFT and inter-token gaps observed, whatever ran before
+    text = httpx.get(gw.base_url + "/metrics", timeout=30).text
+    page.goto(gw.base_url + dashboard_path(gw))
+    for name in ("gateway:time_to_first_token_seconds", "gateway:inter_token_latency_seconds"):
+        sums: dict[float, float] = {}
+        for line in text.splitlines():
+            if line.startswith(name + "_bucket{"):
+                le = re.search(r'le="([^"]+)"', line).group(1)
+                sums[float(le)] = sums.get(float(le), 0.0) + float(line.rsplit(" ", 1)[1])
+        buckets = sorted(sums.items())
+        assert buckets and buckets[-1][1] > 0, name
+        got = page.evaluate(
+            "([t, n]) => [0.5, 0.9, 0.99].map((q) => Dashboard.quantile(Dashboard.histogram(t, n), q))",
+            [text, name],
+        )
+        want = [histogram_quantile(q, buckets) for q in (0.5, 0.9, 0.99)]
+        assert got == pytest.approx(want, rel=1e-9), (name, got, want)
     same_origin(page, gw)
