@@ -25,13 +25,11 @@ plain socket).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,8 +150,7 @@ class PostgresStore:
             self.start()
 
     def close(self) -> None:
-        stop_postgres(self.handle)
-        shutil.rmtree(self.handle.data.parent, ignore_errors=True)
+        stop_postgres(self.handle)  # the plugin removes its files when the process exits
 
 
 def open_store(folder: Path) -> SharedStore:
@@ -161,19 +158,13 @@ def open_store(folder: Path) -> SharedStore:
     not installed), or one SQLite file when ``LLM_GATEWAY_CLUSTER_STORE=sqlite``."""
     if os.environ.get("LLM_GATEWAY_CLUSTER_STORE", "postgresql") == "sqlite":
         return SqliteStore(folder / "cluster.sqlite")
-    # not under pytest's base temp folder: every pytest start on the machine makes it 0700 again, and the
-    # postgres user could then no longer reach its data folder to stop or restart the server
-    pg_folder = Path(tempfile.mkdtemp(prefix="llmgw-cluster-pg-"))
-    try:
-        handle, url = start_postgres(pg_folder)
-    except BaseException:
-        shutil.rmtree(pg_folder, ignore_errors=True)
-        raise
+    handle, url = start_postgres(
+        folder / "postgres"
+    )  # as root, its files live where the postgres user can reach
     try:
         return PostgresStore(handle, create_database(url))
     except BaseException:
         stop_postgres(handle)
-        shutil.rmtree(pg_folder, ignore_errors=True)
         raise
 
 
