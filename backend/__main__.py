@@ -73,6 +73,13 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
             metavar="N",
             help="KV pool size in blocks (instead of --kv-cache-memory)",
         ),
+        parser.add_argument(
+            "--memory-budget",
+            type=_bytes,
+            default=None,
+            metavar="BYTES",
+            help="host memory the model load may take (default: available RAM minus max(1GiB, 10%%); 0: no check)",
+        ),
         parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)"),
         parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)"),
         parser.add_argument(
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_memory,
             num_kv_blocks=args.num_kv_blocks,
+            memory_budget=args.memory_budget,
         )
         engine = Engine(
             runner,

@@ -157,7 +157,8 @@ class MemoryBudget:
         Raises:
             ValueError: one line, e.g. ``model needs 13.9 GiB to load (1.54e9 parameters: bfloat16 + float32
                 while loading + int4 codes + LM head copies, KV cache 0.5 GiB), over the memory budget of 8.0
-                GiB (available RAM 9.0 GiB minus a 1.0 GiB margin; set $GATEWAY_MEMORY_BUDGET to change it)``.
+                GiB (available RAM 9.0 GiB minus a 1.0 GiB margin; pass --memory-budget BYTES or set $GATEWAY_MEMORY_BUDGET to change
+                it)``.
         """
         need = self.need(size)
         if need <= self.limit:
@@ -171,7 +172,7 @@ class MemoryBudget:
             parts += f", KV cache {_gib(self.extra_bytes)}"
         raise ValueError(
             f"model needs {_gib(need)} to load ({size.params:.3g} parameters: {parts}), over the memory budget "
-            f"of {_gib(self.limit)} ({self.source}; set ${BUDGET_ENV} to change it)"
+            f"of {_gib(self.limit)} ({self.source}; pass --memory-budget BYTES or set ${BUDGET_ENV} to change it)"
         )
 
 

@@ -254,7 +254,7 @@ def test_memory_budget_refuses_in_one_line(tmp_path, written, monkeypatch, capsy
     assert status == EXIT_MODEL_LOAD_FAILED == 3
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot load model {path}: model needs "), lines
-    assert "over the memory budget of 0.0 GiB ($GATEWAY_MEMORY_BUDGET; set" in lines[0]
+    assert "over the memory budget of 0.0 GiB ($GATEWAY_MEMORY_BUDGET; pass --memory-budget" in lines[0]
 
 
 def test_budget_estimate_of_a_1_5b_qwen2() -> None:
