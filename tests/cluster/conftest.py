@@ -4,6 +4,9 @@
   (:mod:`cluster_nodes`), started once for all the cluster tests (``cluster_session``) and stopped after them.
   Each test gets its database server and Redis running (started again if an earlier test failed while they
   were stopped); a gateway a test killed is started again by ``Cluster.node``.
+
+Each test's ``timeout`` mark is ``func_only``: it bounds the test itself, not the cluster's start, which the
+first test pays and which its own timeouts bound (``BACKEND_START_S``, ``GATEWAY_TEST_STARTUP_TIMEOUT``).
 """
 
 from __future__ import annotations
