@@ -37,9 +37,7 @@ def time_until(
         time.sleep(POLL_S)
 
 
-@pytest.mark.timeout(
-    60, func_only=True
-)  # the cluster start (a session fixture) is bounded by its own timeouts
+@pytest.mark.timeout(60, func_only=True)
 def test_key_created_on_a_works_on_b_at_once(cluster: Cluster):
     a, b = cluster.node("A"), cluster.node("B")
     t = cluster.new_tenant("A")
@@ -54,9 +52,7 @@ def test_key_created_on_a_works_on_b_at_once(cluster: Cluster):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.timeout(
-    60, func_only=True
-)  # the cluster start (a session fixture) is bounded by its own timeouts
+@pytest.mark.timeout(60, func_only=True)
 def test_revoked_on_a_is_refused_on_b_within_1s(cluster: Cluster):
     a, b = cluster.node("A"), cluster.node("B")
     t = cluster.new_tenant("A")
@@ -75,9 +71,7 @@ def test_revoked_on_a_is_refused_on_b_within_1s(cluster: Cluster):
         assert r.status_code == 401, r.text
 
 
-@pytest.mark.timeout(
-    60, func_only=True
-)  # the cluster start (a session fixture) is bounded by its own timeouts
+@pytest.mark.timeout(60, func_only=True)
 def test_disabled_tenant_and_changed_limit_reach_b_within_1s(cluster: Cluster):
     a, b = cluster.node("A"), cluster.node("B")
     t = cluster.new_tenant("A", rpm=1000, window_s=3600)

@@ -73,9 +73,7 @@ class Sampler:
             t.join(10)
 
 
-@pytest.mark.timeout(
-    120, func_only=True
-)  # the cluster start (a session fixture) is bounded by its own timeouts
+@pytest.mark.timeout(120, func_only=True)
 async def test_burst_across_both_gateways_is_limited_exactly(cluster: Cluster):
     nodes = {name: cluster.node(name) for name in ("A", "B")}
     t = cluster.new_tenant("A", rpm=RPM, max_concurrent=MAX_CONCURRENT, window_s=WINDOW_S)

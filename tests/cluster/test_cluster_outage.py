@@ -96,9 +96,7 @@ async def admitted_again(c: httpx.AsyncClient, g: GatewayProc, headers: dict, si
         await trio.sleep(0.05)
 
 
-@pytest.mark.timeout(
-    180, func_only=True
-)  # the cluster start (a session fixture) is bounded by its own timeouts
+@pytest.mark.timeout(180, func_only=True)
 async def test_store_then_redis_stopped_during_traffic(cluster: Cluster):
     nodes = {name: cluster.node(name) for name in ("A", "B")}
     t = cluster.new_tenant("A", rpm=100_000, max_concurrent=64)

@@ -78,9 +78,7 @@ async def hold_streams(
         await trio.sleep(min(waits[seen:]) / 1000)
 
 
-@pytest.mark.timeout(
-    180, func_only=True
-)  # the cluster start (a session fixture) is bounded by its own timeouts
+@pytest.mark.timeout(180, func_only=True)
 async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(cluster: Cluster):
     a, b = cluster.node("A"), cluster.node("B")
     streams_t = cluster.new_tenant("A", max_concurrent=STREAMS)
