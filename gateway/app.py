@@ -11,6 +11,7 @@ Routes (all declared in ``build_app``):
     /admin/v1/*, GET /v1/usage                        admin API and a tenant's own usage (gateway/admin/)
     GET  /openapi.json                                the generated OpenAPI document (gateway/openapi.py)
     GET  /, /static/*                                 the playground (gateway/playground.py; public)
+    GET  /admin                                       the operator dashboard page (gateway/playground.py; public; its data needs the admin key)
 
 Request handling order (each step's failure is an OpenAI error object):
 auth (tenancy, when configured) -> body (413 over ``max_body_bytes``,

@@ -20,12 +20,14 @@ from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send, send
 from gateway.observability.record import get_record
 from gateway.tenants import Tenants
 
-# Exactly what the gateway serves without a key (the playground is GET / and /static/*; /metrics:
+# Exactly what the gateway serves without a key (the playground is GET / and /static/*, the dashboard page GET
+# /admin (its data, /admin/v1/*, needs the admin key); /metrics:
 # docs/observability.md; /health: liveness as vLLM's; /api/version: no auth, as in Ollama). Matched exactly:
 # any other path, aliases and ``..`` forms included, needs a key first, so an unauthenticated client learns
 # nothing, not even a 404.
 PUBLIC_PATHS = frozenset({"/", "/health", "/healthz", "/readyz", "/metrics", "/openapi.json", "/api/version"})
 PUBLIC_PREFIXES = ("/static/",)
+ADMIN_PAGE = "/admin"  # the dashboard page itself (GET/HEAD, this exact path): public, unlike /admin/...
 RATE_LIMIT_HEADERS = (b"x-ratelimit-limit-requests", b"x-ratelimit-limit-tokens")
 
 
@@ -56,8 +58,9 @@ def classify_path(
     """``"public"``, ``"admin"`` or ``"tenant"`` for a request path; the strictest of the raw and the
     normalized path wins (public only if both are; admin if either is under ``/admin``). Public: an exact
     member of ``public_paths`` (``/health/`` or ``/health/../admin`` is not) or a ``..``/``//``-free path under
-    ``public_prefixes``. ``OPTIONS`` (CORS preflight) is public; unknown paths are ``tenant``."""
-    if method.upper() == "OPTIONS":
+    ``public_prefixes``. ``OPTIONS`` (CORS preflight) and ``GET``/``HEAD`` of exactly :data:`ADMIN_PAGE` (the
+    dashboard page) are public; unknown paths are ``tenant``."""
+    if method.upper() == "OPTIONS" or (method.upper() in ("GET", "HEAD") and path == ADMIN_PAGE):
         return "public"
     norm = normalize_path(path)
     for p in (path.lower(), norm.lower()):

@@ -28,6 +28,15 @@ def test_path_classification():
     ):
         assert classify_path(p) == "tenant", p
     assert classify_path("/v1/chat/completions", "OPTIONS") == "public"
+    assert classify_path("/admin") == classify_path("/admin", "HEAD") == "public"  # the dashboard page
+    for p, m in (
+        ("/admin", "POST"),
+        ("/admin/", "GET"),
+        ("/ADMIN", "GET"),
+        ("//admin", "GET"),
+        ("/v1/../admin", "GET"),
+    ):
+        assert classify_path(p, m) == "admin", (p, m)
 
 
 @pytest.fixture
