@@ -37,7 +37,7 @@ from plugins.gateway_server import GatewayProc
 pytestmark = pytest.mark.slow
 
 CLIENTS_PER_NODE = 2
-REQUEST_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 20.0
 OUTAGE_S = 1.5  # longer than the key cache's TTL: the stale-serving path is taken
 KEY_CACHE_S = 1.0  # --key-cache-s: how long a lookup is trusted while the change feed is down
 RECOVERY_BOUND_S = 5.0  # service is back within this after a restart
