@@ -10,7 +10,8 @@ counted from the database: the finished requests (``id`` of the response) withou
 seconds, at most ``--ledger-batch`` of them (the cluster's gateways run with ``LEDGER_FLUSH_S`` and
 ``LEDGER_BATCH``); a lost row must therefore have finished within ``LEDGER_FLUSH_S`` (plus ``CLOCK_SLACK_S``:
 the client reads the end of a response a moment after the gateway records it) of the kill. The streams cut by
-the kill never finished: a crash bills none of them (their rows are counted and printed).
+the kill never finished: a crash bills none of them (their rows are counted and printed). The kill waits until
+the first finished request is older than the loss window, so at least one row must have been written.
 
 The lease lapse is timed from just before the kill to B's admission of the ``STREAMS``-th stream of the tenant,
 the client waiting what each 429's ``retry-after-ms`` says.
@@ -131,6 +132,9 @@ async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(clust
             nursery.start_soon(finisher_on_a)
             with trio.fail_after(60):
                 await running.wait()
+            # the first finished request must be older than the loss window at the kill: its row must be there
+            old_enough = min(finished.values()) + LEDGER_FLUSH_S + CLOCK_SLACK_S + 0.2
+            await trio.sleep(max(0.0, old_enough - time.monotonic()))
             t_running = time.monotonic()
 
             await serving(c, b)  # B serves while A runs its streams
@@ -173,5 +177,6 @@ async def test_killed_gateway_b_serves_on_ledger_within_bound_leases_lapse(clust
     assert len(written - set(finished)) <= 1, (
         "a row of a request the client did not see finish (only the last)"
     )
+    assert any(t_kill - t > LEDGER_FLUSH_S + CLOCK_SLACK_S for t in finished.values()), "no old row to check"
     assert len(lost) <= LEDGER_BATCH
     assert all(ago <= LEDGER_FLUSH_S + CLOCK_SLACK_S for ago in lost.values()), lost
