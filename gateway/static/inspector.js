@@ -101,19 +101,34 @@
     return section("Prompt as the model read it", legend, box);
   }
 
-  // The timeline of choice 0 as rows of an SVG chart.
-  function timelineSection(rec, response) {
-    const timings = rec.timings || (response && response.timings) || {};
-    const choice = (rec.choices || [])[0];
+  // The timeline of one choice (a picker when there are several) as rows of an SVG chart.
+  function timelineSection(rec) {
+    const wrap = section("Timeline");
+    const body = el("div", { class: "insp-tl" });
+    const choices = rec.choices || [];
+    if (choices.length > 1) {
+      const pick = el("select", { class: "insp-choice", "aria-label": "Choice" },
+        ...choices.map((c, i) => el("option", { value: String(i), text: "choice " + c.index })));
+      pick.addEventListener("change", () => body.replaceChildren(...drawTimeline(rec, choices[Number(pick.value)])));
+      wrap.append(el("label", { class: "insp-pick" }, "Choice ", pick));
+    }
+    body.replaceChildren(...drawTimeline(rec, choices[0]));
+    wrap.append(body);
+    return wrap;
+  }
+
+  function drawTimeline(rec, choice) {
+    const timings = rec.timings || {};
     const t = choice && choice.timeline;
     const ttft = timings.ttft_duration;
-    const wrap = section("Timeline");
-    if (!t) { wrap.append(el("p", { class: "insp-note", text: "The backend sent no timeline for this answer." })); return wrap; }
+    if (!t) return [el("p", { class: "insp-note", text: "The backend sent no timeline for this answer." })];
     const end = Math.max(t.finish, timings.total_duration || 0, ttft || 0, 1);
-    const W = 900, left = 90, right = 20, rowH = 22, rows = ["gateway", "queue", "prefill", "decode", "events"];
+    // drawn at the panel's width (no scaling: 11 px labels stay 11 px), at least 640 px (scrolls on a phone)
+    const room = dialog ? dialog.querySelector(".insp-body").clientWidth - 36 : 900;
+    const W = Math.max(640, Math.round(room)), left = 90, right = 20, rowH = 22, rows = ["gateway", "queue", "prefill", "decode", "events"];
     const H = rows.length * rowH + 34;
     const x = (ns) => left + (ns / end) * (W - left - right);
-    const chart = svg("svg", { class: "insp-timeline", viewBox: `0 0 ${W} ${H}`, role: "img",
+    const chart = svg("svg", { class: "insp-timeline", viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img",
       "aria-label": "Timeline: queue, prompt chunks, first token, decode steps, preemptions, finish" });
     const rowY = (name) => 6 + rows.indexOf(name) * rowH;
     rows.forEach((name) => {
@@ -146,21 +161,19 @@
     }
     chart.append(svg("text", { class: "axis", x: left, y: H - 2 }, "0"));
     chart.append(svg("text", { class: "axis", x: W - right, y: H - 2, "text-anchor": "end" }, ms(end)));
-    wrap.append(chart);
-
     const steps = t.decode.length;
     const itl = steps > 0 && t.first_token !== null ? (t.decode[steps - 1] - t.first_token) / steps : null;
     const prefillTokens = t.chunks.reduce((s, c) => s + c[2], 0);
     const facts = el("ul", { class: "insp-facts" },
       el("li", {}, el("span", { class: "insp-ttft", "data-ns": ttft === undefined ? "" : ttft, text: ttft === undefined ? "TTFT \u2014" : ttftLabel(ttft) })),
       el("li", { text: "queue " + ms(t.queue) }),
-      el("li", { text: `${t.chunks.length} prompt chunk${t.chunks.length === 1 ? "" : "s"}, ${prefillTokens} tokens computed` }),
+      el("li", { text: `${t.chunks.length} prompt chunk${t.chunks.length === 1 ? "" : "s"}, ${prefillTokens} tokens computed` +
+        (rec.prompt && rec.prompt.cached_tokens ? `, ${rec.prompt.cached_tokens} from the prefix cache` : "") }),
       el("li", { text: `${steps} decode step${steps === 1 ? "" : "s"}` + (itl !== null ? `, ${ms(itl)} per token` : "") }),
       el("li", { text: `${t.preemptions.length} preemption${t.preemptions.length === 1 ? "" : "s"}` }),
       el("li", { class: "insp-finish", text: "stop reason: " + choice.finish_reason }));
     if (t.dropped) facts.append(el("li", { text: t.dropped + " events not recorded (list limit)" }));
-    wrap.append(facts);
-    return wrap;
+    return [el("div", { class: "insp-chart" }, chart), facts];
   }
 
   function probClass(p) { return "p" + Math.min(4, Math.floor(p * 5)); }
@@ -234,7 +247,7 @@
     const parts = [];
     if (error) parts.push(el("p", { class: "insp-error", role: "alert", text: error }));
     parts.push(usageSection(record, entry));
-    if (record) parts.push(timelineSection(record, entry.response), promptSection(record));
+    if (record) parts.push(timelineSection(record), promptSection(record));
     parts.push(outputSection(entry.response));
     body.replaceChildren(...parts);
     d.dataset.state = record ? "ready" : "error";

@@ -9,7 +9,8 @@ as the page writes it (ms, one decimal), each output token has its probability a
 and the remaining limits are shown. The first answer (no ``inspect``) has no record: the panel says so.
 The record is the tenant's own (another tenant's key gets a 404); no request leaves the gateway.
 
-With ``LLM_GATEWAY_SCREENSHOTS=1`` the panel is saved to docs/img/inspector.png (1280x800).
+With ``LLM_GATEWAY_SCREENSHOTS=1`` the panel is saved to docs/img/inspector.png (1280x800) and
+docs/img/inspector-phone.png (390x844).
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def test_inspector_on_a_partly_cached_answer(gw, page):  # noqa: F811 - fixtures
     if os.environ.get("LLM_GATEWAY_SCREENSHOTS") == "1":
         IMG.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(IMG / "inspector.png"))
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.screenshot(path=str(IMG / "inspector-phone.png"))
     page.keyboard.press("Escape")  # the dialog closes with Esc
     page.wait_for_function("() => !document.getElementById('inspector').open")
 
