@@ -7,7 +7,8 @@ on each answer. On the second it checks what the issue asks: the cached span has
 tokens with the special ones highlighted, the timeline's TTFT is the response's ``timings.ttft_duration``
 as the page writes it (ms, one decimal), each output token has its probability and alternatives, the usage
 and the remaining limits are shown. The first answer (no ``inspect``) has no record: the panel says so.
-The record is the tenant's own (another tenant's key gets a 404); no request leaves the gateway.
+The record is the tenant's own (another tenant's key gets a 404); a stream with ``n = 2`` leaves one too,
+a timeline per choice; no request leaves the gateway.
 
 With ``LLM_GATEWAY_SCREENSHOTS=1`` the panel is saved to docs/img/inspector.png (1280x800) and
 docs/img/inspector-phone.png (390x844).
@@ -130,6 +131,31 @@ def test_inspector_on_a_partly_cached_answer(gw, page):  # noqa: F811 - fixtures
     assert alias.status_code == 200 and alias.json()["id"] == resp["id"]
     theirs = httpx.get(url + resp["id"], headers={"Authorization": f"Bearer {other}"}, timeout=30)
     assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "inspect_record_not_found"
+
+    # a stream with n = 2 leaves a record too: one timeline per choice, each first token before the TTFT
+    body = {
+        "model": gw.model,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 3,
+        "n": 2,
+        "stream": True,
+        "inspect": True,
+    }
+    with httpx.stream(
+        "POST", gw.base_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as r:
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        r.read()
+    rec = httpx.get(url + rid, headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+    assert [c["index"] for c in rec["choices"]] == [0, 1]
+    for c in rec["choices"]:
+        t = c["timeline"]
+        assert (
+            t["chunks"]
+            and t["first_token"] <= rec["timings"]["ttft_duration"]
+            and t["finish"] >= t["first_token"]
+        )
 
     # no CDN, no other host: every request of the page went to the gateway
     assert page.requested and all(u.startswith(gw.base_url + "/") for u in page.requested), page.requested
