@@ -37,7 +37,7 @@ from typing import Protocol
 
 import httpx
 import pytest
-from plugins.gateway_server import ROOT, GatewayProc, _die_with_pytest, start_gateway
+from plugins.gateway_server import ROOT, GatewayProc, _die_with_pytest, chat_body, start_gateway
 from plugins.postgres_server import (
     PostgresHandle,
     create_database,
@@ -379,10 +379,4 @@ def open_cluster(folder: Path) -> Cluster:
 
 def chat(g: GatewayProc, max_tokens: int, *, stream: bool = False) -> dict:
     """A chat-completions body for ``g``'s model that generates exactly ``max_tokens`` tokens."""
-    return {
-        "model": g.model,
-        "messages": [{"role": "user", "content": "Tell me a story."}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": stream,
-    }
+    return chat_body(g, "Tell me a story.", max_tokens=max_tokens, ignore_eos=True, stream=stream)
