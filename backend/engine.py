@@ -23,6 +23,10 @@ in the sampler; a choice whose grammar is complete finishes with "stop" (its las
 token is in ``new_token_ids``). A grammar that fails to compile, or that the output leaves, ends that
 request alone with ``RequestError`` code ``grammar_error``.
 
+Inspected requests (``Submit.inspect``): each sequence keeps a ``SeqTimeline`` (its prompt and recompute
+chunks with the step's start and the model pass's end, each sampled token, each preemption, bounded lists);
+the last output of each choice carries it as ``Timeline``. Other requests record nothing.
+
 Source followed: nano-vllm ``LLMEngine``; vLLM v1 ``EngineCore`` (busy loop
 owning all state, outputs batched per step).
 """
