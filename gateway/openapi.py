@@ -239,6 +239,7 @@ ROUTES: tuple[Operation, ...] = (
               media="text/plain"),
     Operation("GET", "/openapi.json", "This document", "public", response={"type": "object"}),
     Operation("GET", "/", "The browser playground", "public", media="text/html"),
+    Operation("GET", "/admin", "The operator dashboard page (its data needs the admin key)", "public", media="text/html"),
     Operation("GET", "/static/{path}", "The playground's files", "public", errors=(404,), media=""),
     Operation("GET", "/admin/v1/stats", "Engine counters of every backend", "admin", response=EngineStats),
     Operation("POST", "/admin/v1/tenants", "Create a tenant", "admin", admin.TenantCreate, admin.Tenant,
