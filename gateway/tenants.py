@@ -137,7 +137,13 @@ class Tenants:
         await self.store.open()
         await self.admission.start()
         if self.create_default and await self.store.count_tenants() == 0:
-            t = await self.store.create_tenant("default")
+            try:
+                t = await self.store.create_tenant("default")
+            except ValueError:  # another gateway on the same store created it first: it announced the key
+                t = None
+        else:
+            t = None
+        if t is not None:
             key, _ = await self.store.create_key(t.id, name="default")
             self.default_key = key
             self._announce(

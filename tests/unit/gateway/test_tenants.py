@@ -4,6 +4,7 @@ together, and their errors as the gateway's APIError tree with OpenAI's bodies a
 from __future__ import annotations
 
 import pytest
+import trio
 
 from auth.errors import Forbidden, Unauthenticated
 from gateway.error_map import api_error, error_status
@@ -43,6 +44,31 @@ async def test_default_tenant_announced_once(tmp_path):
     async with Tenants(path, announce=said.append).running() as t:
         assert t.default_key is None and len(said) == 1  # not created or printed again
         assert (await t.authenticate(creds(key))).tenant_name == "default"
+
+
+async def test_gateways_starting_together_on_an_empty_store_create_one_default(pg_database_url, tmp_path):
+    """Several gateways opening one empty PostgreSQL database at once: every one starts, exactly one creates
+    (and announces) the default tenant; the others see it."""
+    said: list[str] = []
+    opened: list[Tenants] = []
+
+    async def one(i: int, nursery: trio.Nursery) -> None:
+        t = Tenants(pg_database_url, announce=said.append, spool_dir=str(tmp_path / f"spool{i}"))
+        await t.start(nursery)
+        opened.append(t)
+
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as starts:
+            for i in range(4):
+                starts.start_soon(one, i, nursery)
+        assert len(opened) == 4 and len(said) == 1, said
+        assert [t.default_key is not None for t in opened].count(True) == 1
+        key = next(t.default_key for t in opened if t.default_key)
+        for t in opened:
+            assert (await t.authenticate(creds(key))).tenant_name == "default"
+        for t in opened:
+            await t.aclose()
+        nursery.cancel_scope.cancel()
 
 
 async def test_restart_keeps_usage_and_revocations(tmp_path):
