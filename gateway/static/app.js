@@ -1,19 +1,48 @@
 // Gateway playground: one static page, no build step, no external requests.
+//
+// Modules (plain scripts, loaded in order with `defer`): vendor/ (marked, DOMPurify, highlight.js),
+// chat-render.js (window.ChatRender: safe markdown), chat-store.js (window.ChatStore: saved chats),
+// chat-params.js (window.ChatParams: the Parameters panel, View code), inspector.js (window.Inspector,
+// optional), then this file (the page).
+//
+// Inspector contract. Each finished assistant answer keeps an `entry`; its "Inspect" button (shown when
+// window.Inspector exists) calls window.Inspector.open(entry) with
+//   entry = {
+//     request:    the JSON body sent to POST /v1/chat/completions (an object, exactly as sent),
+//     response:   the stream assembled as a non-stream chat.completion:
+//                 {id, object: "chat.completion", created, model, system_fingerprint,
+//                  choices: [{index, message: {role, content, tool_calls?}, logprobs: {content: [...]} | null,
+//                             finish_reason}],
+//                  usage: {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details} | null,
+//                  timings: the last `timings` object of the stream (ns) | null},
+//     headers:    the response headers as an object of lower-case names (x-request-id, x-ratelimit-*,
+//                 ...; across origins only those in Access-Control-Expose-Headers),
+//     request_id: headers["x-request-id"], else response.id,
+//   }
+// Entries are saved with the chat (dropped first when localStorage is full).
+//
 // Streaming: fetch() + ReadableStream + an SSE parser following the WHATWG HTML
 // "event stream interpretation" (https://html.spec.whatwg.org/multipage/server-sent-events.html).
-// Stop: AbortController (the gateway sees the connection close and aborts the backend request).
+// Stop (button or Esc): AbortController (the gateway sees the connection close and aborts the backend
+// request). An answer re-renders at most every RENDER_MS while it streams (chat-render.js morphs the DOM).
 "use strict";
 
 (() => {
   const $ = (id) => document.getElementById(id);
   const els = {
-    key: $("api-key"), toggleKey: $("toggle-key"), base: $("api-base"), model: $("model"), models: $("models"),
-    system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"), clear: $("clear"),
-    messages: $("messages"), form: $("composer"), prompt: $("prompt"), send: $("send"), stop: $("stop"), status: $("status"),
+    key: $("api-key"), toggleKey: $("toggle-key"), base: $("api-base"), model: $("model"),
+    system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"), newChat: $("new-chat"),
+    chatList: $("chat-list"), messages: $("messages"), form: $("composer"), prompt: $("prompt"), send: $("send"),
+    stop: $("stop"), status: $("status"), params: $("params"), viewCode: $("view-code"), dialog: $("code-dialog"),
+    codeCurl: $("code-curl"), codePython: $("code-python"), tabCurl: $("tab-curl"), tabPython: $("tab-python"),
+    copyCode: $("copy-code"), closeCode: $("close-code"), toggleChats: $("toggle-chats"),
+    toggleSettings: $("toggle-settings"),
   };
   const LS = { key: "gw.apiKey", base: "gw.apiBase", model: "gw.model", system: "gw.system", temperature: "gw.temperature", maxTokens: "gw.maxTokens" };
+  const RENDER_MS = 50;
+  const FAILED = new Set(["error", "filtered"]); // turns (question and answer) left out of the conversation
 
-  let history = []; // [{role, content}] of finished turns (system prompt is added per request)
+  let chat = null; // the open chat (ChatStore shape)
   let controller = null; // AbortController of the answer in flight
 
   // ------------------------------------------------------------------ settings
@@ -21,18 +50,20 @@
     const q = new URLSearchParams(location.search);
     els.key.value = localStorage.getItem(LS.key) || "";
     els.base.value = q.get("base") || localStorage.getItem(LS.base) || "";
-    els.model.value = localStorage.getItem(LS.model) || "";
+    setModelOptions([], localStorage.getItem(LS.model) || "");
     els.system.value = localStorage.getItem(LS.system) || "";
     els.temperature.value = localStorage.getItem(LS.temperature) || els.temperature.value;
     els.maxTokens.value = localStorage.getItem(LS.maxTokens) || els.maxTokens.value;
+    ChatParams.load();
   }
   function save() {
     localStorage.setItem(LS.key, els.key.value.trim());
     localStorage.setItem(LS.base, els.base.value.trim());
-    localStorage.setItem(LS.model, els.model.value.trim());
+    if (els.model.value) localStorage.setItem(LS.model, els.model.value);
     localStorage.setItem(LS.system, els.system.value);
     localStorage.setItem(LS.temperature, els.temperature.value);
     localStorage.setItem(LS.maxTokens, els.maxTokens.value);
+    ChatParams.save();
   }
   function apiBase() { return els.base.value.trim().replace(/\/+$/, ""); }
   function url(path) { return apiBase() + path; }
@@ -44,58 +75,23 @@
   }
   function setStatus(text) { els.status.textContent = text; }
 
+  // The model picker: the ids of GET /v1/models, `keep` selected when listed (or kept as the only one).
+  function setModelOptions(ids, keep) {
+    const list = ids.length ? ids : keep ? [keep] : [];
+    els.model.replaceChildren(...list.map((id) => new Option(id, id)));
+    els.model.value = list.includes(keep) ? keep : list[0] || "";
+  }
   async function loadModels() {
     if (!els.key.value.trim()) { setStatus("Paste an API key to start."); return; }
     try {
       const r = await fetch(url("/v1/models"), { headers: authHeaders() });
       if (!r.ok) { setStatus("Could not list models: " + (await describeHttpError(r))); return; }
       const data = (await r.json()).data || [];
-      els.models.replaceChildren(...data.map((m) => { const o = document.createElement("option"); o.value = m.id; return o; }));
-      if (!els.model.value && data.length) els.model.value = data[0].id;
-      els.model.placeholder = data.length ? data[0].id : "model id";
+      setModelOptions(data.map((m) => m.id), els.model.value || localStorage.getItem(LS.model) || "");
       setStatus("Ready.");
     } catch (e) {
       setStatus("Could not reach the gateway (" + e.message + ").");
     }
-  }
-
-  // ------------------------------------------------------------------ DOM
-  function addMessage(role, text) {
-    const div = document.createElement("div");
-    div.className = "msg " + role;
-    const r = document.createElement("div");
-    r.className = "role";
-    r.textContent = role;
-    const c = document.createElement("div");
-    c.className = "content";
-    c.textContent = text || "";
-    div.append(r, c);
-    els.messages.append(div);
-    els.messages.scrollTop = els.messages.scrollHeight;
-    return div;
-  }
-  function addNotice(msgDiv, kind, text) {
-    const n = document.createElement("div");
-    n.className = "notice " + kind;
-    n.textContent = text;
-    msgDiv.append(n);
-    els.messages.scrollTop = els.messages.scrollHeight;
-    return n;
-  }
-  function addStats(msgDiv, items) {
-    const s = document.createElement("div");
-    s.className = "stats";
-    for (const [name, value] of items) {
-      const span = document.createElement("span");
-      span.dataset.stat = name;
-      span.textContent = value;
-      s.append(span);
-    }
-    msgDiv.append(s);
-  }
-  function busy(on) {
-    els.send.disabled = on;
-    els.stop.disabled = !on;
   }
 
   // ------------------------------------------------------------------ errors
@@ -117,9 +113,11 @@
     }
     return parts.join(", ");
   }
-  async function describeHttpError(r) {
-    let err = {};
-    try { err = (await r.json()).error || {}; } catch (_) { /* not JSON */ }
+  async function errorOf(r) {
+    try { return (await r.json()).error || {}; } catch (_) { return {}; } // not JSON
+  }
+  async function describeHttpError(r, err) {
+    if (err === undefined) err = await errorOf(r);
     const msg = err.message || r.statusText || "error";
     if (r.status === 401) return "Authentication failed (401): " + msg + " Check the API key.";
     if (r.status === 429) {
@@ -129,6 +127,11 @@
     if (r.status === 400 && err.code === "content_filter") {
       const detail = filterText(err.innererror && err.innererror.content_filter_result);
       return "Prompt blocked by the content filter (400)" + (detail ? ": " + detail : "") + ".";
+    }
+    if (r.status === 400) return "Bad request (400)" + (err.param ? ", parameter " + err.param : "") + ": " + msg;
+    if (r.status === 503) {
+      const s = retrySeconds(r);
+      return "Service unavailable (503" + (err.code ? " " + err.code : "") + "): " + msg + (s !== null ? " Retry after " + s + " s." : "");
     }
     return "Error " + r.status + (err.code ? " " + err.code : "") + ": " + msg;
   }
@@ -166,34 +169,271 @@
     if (data.length) yield data.join("\n");
   }
 
-  // ------------------------------------------------------------------ chat
-  async function send(text) {
-    save();
-    const userMsg = { role: "user", content: text };
-    addMessage("user", text);
-    const div = addMessage("assistant", "");
-    div.dataset.state = "streaming";
-    const content = div.querySelector(".content");
+  // ------------------------------------------------------------------ chats
+  function openChat(c) {
+    if (controller) controller.abort();
+    chat = c;
+    ChatStore.setCurrent(c.id);
+    renderMessages();
+    renderChatList();
+    document.body.classList.remove("show-chats");
+  }
+  function persist() {
+    ChatStore.save(chat);
+    renderChatList();
+  }
+  function renderChatList() {
+    const chats = ChatStore.list();
+    if (chat && !chats.some((c) => c.id === chat.id)) chats.unshift(chat);
+    els.chatList.replaceChildren(...chats.map((c) => {
+      const li = document.createElement("li");
+      li.dataset.id = c.id;
+      if (chat && c.id === chat.id) li.setAttribute("aria-current", "true");
+      const open = document.createElement("button");
+      open.type = "button";
+      open.className = "chat-open";
+      open.textContent = c.title;
+      open.title = c.title;
+      open.addEventListener("click", () => openChat(ChatStore.get(c.id) || c));
+      const del = document.createElement("button");
+      del.type = "button";
+      del.className = "chat-delete";
+      del.textContent = "\u00d7";
+      del.setAttribute("aria-label", "Delete chat " + c.title);
+      del.addEventListener("click", () => {
+        ChatStore.remove(c.id);
+        if (chat && chat.id === c.id) openChat(ChatStore.list()[0] || ChatStore.create());
+        else renderChatList();
+      });
+      li.append(open, del);
+      return li;
+    }));
+  }
+
+  // ------------------------------------------------------------------ DOM
+  function button(text, cls, onClick, label) {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = cls;
+    b.textContent = text;
+    if (label) b.setAttribute("aria-label", label);
+    b.addEventListener("click", onClick);
+    return b;
+  }
+  function scrollDown() { els.messages.scrollTop = els.messages.scrollHeight; }
+  function addNotice(div, kind, text) {
+    const n = document.createElement("div");
+    n.className = "notice " + kind;
+    n.textContent = text;
+    div.querySelector(".extra").append(n);
+    scrollDown();
+  }
+  function addStats(div, items) {
+    const s = document.createElement("div");
+    s.className = "stats";
+    for (const [name, value] of items) {
+      const span = document.createElement("span");
+      span.dataset.stat = name;
+      span.textContent = value;
+      s.append(span);
+    }
+    div.querySelector(".extra").append(s);
+  }
+  function addExtras(div, msg) {
+    if (msg.tool_calls && msg.tool_calls.length) {
+      const pre = document.createElement("pre");
+      pre.className = "tool-calls";
+      pre.textContent = msg.tool_calls.map((t) => t.function.name + "(" + t.function.arguments + ")").join("\n");
+      div.querySelector(".extra").append(pre);
+    }
+    (msg.alts || []).forEach((text, i) => {
+      const d = document.createElement("details");
+      d.className = "alt";
+      const s = document.createElement("summary");
+      s.textContent = "choice " + (i + 1);
+      const c = document.createElement("div");
+      c.className = "content";
+      ChatRender.markdown(c, text);
+      d.append(s, c);
+      div.querySelector(".extra").append(d);
+    });
+    for (const [kind, text] of msg.notices || []) addNotice(div, kind, text);
+    if (msg.stats && msg.stats.length) addStats(div, msg.stats);
+  }
+  // The view of chat.messages[i].
+  function messageView(i) {
+    const msg = chat.messages[i];
+    const div = document.createElement("div");
+    div.className = "msg " + msg.role;
+    if (msg.state) div.dataset.state = msg.state;
+    const r = document.createElement("div");
+    r.className = "role";
+    r.textContent = msg.role;
+    const c = document.createElement("div");
+    c.className = "content";
+    if (msg.role === "assistant") ChatRender.markdown(c, msg.content);
+    else ChatRender.plain(c, msg.content);
+    const extra = document.createElement("div");
+    extra.className = "extra";
+    const actions = document.createElement("div");
+    actions.className = "actions";
+    div.append(r, c, extra, actions);
+    addExtras(div, msg);
+    if (msg.role === "user") {
+      actions.append(button("Edit", "edit", () => editMessage(div, i), "Edit this message and resend"));
+    } else if (msg.state && msg.state !== "streaming") {
+      actions.append(button("Regenerate", "regenerate", () => regenerate(i), "Regenerate this answer"));
+      actions.append(button("Copy", "copy", () => navigator.clipboard && navigator.clipboard.writeText(msg.content), "Copy this answer"));
+      if (msg.entry && window.Inspector && typeof window.Inspector.open === "function") {
+        actions.append(button("Inspect", "inspect", () => window.Inspector.open(msg.entry), "Inspect this answer"));
+      }
+    }
+    return div;
+  }
+  function renderMessages() {
+    els.messages.replaceChildren(...chat.messages.map((_, i) => messageView(i)));
+    scrollDown();
+  }
+  function editMessage(div, i) {
+    if (controller) return;
+    const c = div.querySelector(".content");
+    const ta = document.createElement("textarea");
+    ta.className = "edit-box";
+    ta.setAttribute("aria-label", "Edit the message");
+    ta.value = chat.messages[i].content;
+    ta.rows = Math.min(12, ta.value.split("\n").length + 1);
+    const ok = button("Save & send", "save-edit", () => {
+      const text = ta.value.trim();
+      if (!text) return;
+      chat.messages = chat.messages.slice(0, i + 1);
+      chat.messages[i].content = text;
+      persist();
+      renderMessages();
+      generate();
+    });
+    const cancel = button("Cancel", "cancel-edit", () => renderMessages());
+    ta.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); ok.click(); }
+      if (e.key === "Escape") { e.preventDefault(); e.stopPropagation(); cancel.click(); }
+    });
+    c.replaceChildren(ta);
+    div.querySelector(".actions").replaceChildren(ok, cancel);
+    ta.focus();
+  }
+  function regenerate(i) {
+    if (controller) return;
+    chat.messages = chat.messages.slice(0, i);
+    persist();
+    renderMessages();
+    generate();
+  }
+  function busy(on) {
+    els.send.disabled = on;
+    els.stop.disabled = !on;
+  }
+
+  // ------------------------------------------------------------------ requests
+  // The body POST /v1/chat/completions gets for the conversation `msgs` (ChatStore messages).
+  function requestBody(msgs) {
     const messages = [];
     if (els.system.value.trim()) messages.push({ role: "system", content: els.system.value });
-    messages.push(...history, userMsg);
-    const body = { model: els.model.value.trim() || undefined, messages, stream: true, stream_options: { include_usage: true } };
+    msgs.forEach((m, i) => {
+      const next = msgs[i + 1];
+      if (m.role === "assistant" && (FAILED.has(m.state) || !m.content)) return;
+      if (m.role === "user" && next && next.role === "assistant" && FAILED.has(next.state)) return; // refused turn
+      messages.push({ role: m.role, content: m.content });
+    });
+    const body = { model: els.model.value || undefined, messages, stream: true, stream_options: { include_usage: true } };
     const t = parseFloat(els.temperature.value);
     if (!isNaN(t)) body.temperature = t;
     const mt = parseInt(els.maxTokens.value, 10);
     if (!isNaN(mt)) body.max_tokens = mt;
+    return Object.assign(body, ChatParams.fields());
+  }
+  function headersObject(h) {
+    const o = {};
+    h.forEach((v, k) => { o[k.toLowerCase()] = v; });
+    return o;
+  }
+  // Folds one chunk into the assembled response `resp` (per choice: text, tool calls, logprobs, finish).
+  function fold(resp, ev) {
+    for (const k of ["id", "created", "model", "system_fingerprint"]) if (ev[k] !== undefined) resp[k] = ev[k];
+    if (ev.usage) resp.usage = ev.usage;
+    if (ev.timings) resp.timings = ev.timings;
+    for (const ch of ev.choices || []) {
+      const c = resp.choices[ch.index] || (resp.choices[ch.index] = { index: ch.index, message: { role: "assistant", content: "" }, logprobs: null, finish_reason: null });
+      const d = ch.delta || {};
+      if (d.content) c.message.content += d.content;
+      for (const tc of d.tool_calls || []) {
+        const calls = c.message.tool_calls || (c.message.tool_calls = []);
+        const t = calls[tc.index] || (calls[tc.index] = { id: tc.id, type: "function", function: { name: "", arguments: "" } });
+        if (tc.id) t.id = tc.id;
+        if (tc.function && tc.function.name) t.function.name += tc.function.name;
+        if (tc.function && tc.function.arguments) t.function.arguments += tc.function.arguments;
+      }
+      if (ch.logprobs && ch.logprobs.content) {
+        c.logprobs = c.logprobs || { content: [] };
+        c.logprobs.content.push(...ch.logprobs.content);
+      }
+      if (ch.finish_reason) c.finish_reason = ch.finish_reason;
+      if (ch.content_filter_results) c.content_filter_results = ch.content_filter_results;
+    }
+  }
+
+  // Streams an answer to the conversation as it stands (its last message is the user's).
+  async function generate() {
+    save();
+    let body;
+    try {
+      body = requestBody(chat.messages);
+    } catch (e) {
+      setStatus("Parameters: " + e.message);
+      els.params.open = true;
+      return;
+    }
+    const owner = chat; // the user may open another chat meanwhile
+    const msg = { role: "assistant", content: "", state: "streaming", notices: [], stats: [] };
+    chat.messages.push(msg);
+    const div = messageView(chat.messages.length - 1);
+    els.messages.append(div);
+    scrollDown();
+    const content = div.querySelector(".content");
+    let lastRender = 0, timer = null;
+    const render = () => {
+      timer = null;
+      lastRender = performance.now();
+      ChatRender.markdown(content, msg.content);
+      scrollDown();
+    };
+    const schedule = () => {
+      if (timer !== null) return;
+      const wait = RENDER_MS - (performance.now() - lastRender);
+      if (wait <= 0) render();
+      else timer = setTimeout(render, wait);
+    };
 
     controller = new AbortController();
     busy(true);
     setStatus("Generating...");
     const t0 = performance.now();
-    let tFirst = null, tLast = null, usage = null, finish = null, filterResult = null, answer = "", state = "done";
+    const resp = { id: null, object: "chat.completion", created: null, model: body.model, system_fingerprint: null, choices: [], usage: null, timings: null };
+    let tFirst = null, tLast = null, headers = {};
+    let state = "done";
+    let retry = false;
     try {
       const r = await fetch(url("/v1/chat/completions"), { method: "POST", headers: authHeaders(), body: JSON.stringify(body), signal: controller.signal });
+      headers = headersObject(r.headers);
       if (!r.ok) {
-        const text = await describeHttpError(r);
+        const err = await errorOf(r);
+        if (r.status === 400 && err.param === "inspect" && body.inspect) {
+          // a gateway without inspection records: ask again without the extension
+          $("p-inspect").checked = false;
+          retry = true;
+          return;
+        }
+        const text = await describeHttpError(r, err);
         state = r.status === 400 && text.startsWith("Prompt blocked") ? "filtered" : "error";
-        addNotice(div, state === "filtered" ? "warn" : "error", text);
+        msg.notices.push([state === "filtered" ? "warn" : "error", text]);
         return;
       }
       for await (const data of sseEvents(r.body)) {
@@ -202,62 +442,111 @@
         try { ev = JSON.parse(data); } catch (_) { continue; }
         if (ev.error) {
           state = "error";
-          addNotice(div, "error", "Error during generation: " + (ev.error.message || JSON.stringify(ev.error)));
+          msg.notices.push(["error", "Error during generation: " + (ev.error.message || JSON.stringify(ev.error))]);
           continue;
         }
-        if (ev.usage) usage = ev.usage;
-        for (const ch of ev.choices || []) {
-          const d = ch.delta || {};
-          if (d.content) {
-            if (tFirst === null) tFirst = performance.now();
-            tLast = performance.now();
-            answer += d.content;
-            content.append(document.createTextNode(d.content)); // one DOM update per delta
-            els.messages.scrollTop = els.messages.scrollHeight;
-          }
-          if (ch.finish_reason) finish = ch.finish_reason;
-          if (ch.content_filter_results) filterResult = ch.content_filter_results;
+        fold(resp, ev);
+        if ((ev.choices || []).some((ch) => ch.delta && (ch.delta.content || ch.delta.tool_calls))) {
+          if (tFirst === null) tFirst = performance.now();
+          tLast = performance.now();
+        }
+        const first = resp.choices[0];
+        if (first && first.message.content !== msg.content) {
+          msg.content = first.message.content;
+          schedule();
         }
       }
       const tEnd = performance.now();
-      if (finish === "content_filter") {
+      const first = resp.choices[0] || { finish_reason: null };
+      if (first.finish_reason === "content_filter") {
         state = "cut";
-        const detail = filterText(filterResult);
-        addNotice(div, "warn", "Answer cut by the content filter (finish_reason content_filter)" + (detail ? ": " + detail : "") + ".");
-      } else if (finish === "length") {
-        addNotice(div, "info", "Stopped at max_tokens (finish_reason length).");
+        const detail = filterText(first.content_filter_results);
+        msg.notices.push(["warn", "Answer cut by the content filter (finish_reason content_filter)" + (detail ? ": " + detail : "") + "."]);
+      } else if (first.finish_reason === "length") {
+        msg.notices.push(["info", "Stopped at max_tokens (finish_reason length)."]);
       }
-      const stats = [];
-      if (tFirst !== null) stats.push(["ttft", "TTFT " + Math.round(tFirst - t0) + " ms"]);
+      const usage = resp.usage;
+      if (tFirst !== null) msg.stats.push(["ttft", "TTFT " + Math.round(tFirst - t0) + " ms"]);
       if (usage) {
         const n = usage.completion_tokens;
         const secs = ((tLast !== null ? tLast : tEnd) - (tFirst !== null ? tFirst : t0)) / 1000;
-        if (n > 1 && secs > 0) stats.push(["tps", ((n - 1) / secs).toFixed(1) + " tok/s"]);
-        stats.push(["prompt", usage.prompt_tokens + " prompt"]);
-        stats.push(["completion", n + " completion"]);
+        if (n > 1 && secs > 0) msg.stats.push(["tps", ((n - 1) / secs).toFixed(1) + " tok/s"]);
+        msg.stats.push(["prompt", usage.prompt_tokens + " prompt"]);
+        msg.stats.push(["completion", n + " completion"]);
         const cached = (usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens) || 0;
-        stats.push(["cached", cached + " cached"]);
+        msg.stats.push(["cached", cached + " cached"]);
       }
-      if (stats.length) addStats(div, stats);
     } catch (e) {
       if (e.name === "AbortError") {
         state = "stopped";
-        addNotice(div, "info", "Stopped.");
+        msg.notices.push(["info", "Stopped."]);
       } else {
         state = "error";
-        addNotice(div, "error", "Network error: " + e.message + " (gateway unreachable, or blocked by CORS).");
+        msg.notices.push(["error", "Network error: " + e.message + " (gateway unreachable, or blocked by CORS)."]);
       }
     } finally {
+      if (timer !== null) clearTimeout(timer);
       controller = null;
       busy(false);
-      div.dataset.state = state;
+      if (retry) {
+        owner.messages.splice(owner.messages.indexOf(msg), 1);
+        div.remove();
+        if (owner === chat) generate();
+        return;
+      }
+      const first = resp.choices[0];
+      if (first) {
+        msg.content = first.message.content;
+        if (first.message.tool_calls) msg.tool_calls = first.message.tool_calls;
+      }
+      const alts = resp.choices.slice(1).filter(Boolean).map((c) => c.message.content);
+      if (alts.length) msg.alts = alts;
+      msg.state = state;
+      if (resp.id || resp.choices.length) {
+        msg.entry = { request: body, response: resp, headers, request_id: headers["x-request-id"] || resp.id };
+      }
+      const i = owner.messages.indexOf(msg);
+      if (i >= 0) {
+        ChatStore.save(owner);
+        if (owner === chat && div.isConnected) div.replaceWith(messageView(i)); // stats, notices, actions
+        renderChatList();
+      }
+      scrollDown();
       setStatus({ done: "Ready.", stopped: "Stopped.", error: "Error: see the message.", filtered: "Prompt blocked.",
                   cut: "Answer cut by the content filter." }[state] || state);
-      if (state !== "error" && state !== "filtered") {
-        history.push(userMsg);
-        if (answer) history.push({ role: "assistant", content: answer });
-      }
     }
+  }
+
+  function submit(text) {
+    chat.messages.push({ role: "user", content: text });
+    persist();
+    els.messages.append(messageView(chat.messages.length - 1));
+    generate();
+  }
+
+  // ------------------------------------------------------------------ view code
+  function showCode() {
+    save();
+    const pending = els.prompt.value.trim();
+    const msgs = chat.messages.concat(pending ? [{ role: "user", content: pending }] : []);
+    let body;
+    try {
+      body = requestBody(msgs);
+    } catch (e) {
+      setStatus("Parameters: " + e.message);
+      els.params.open = true;
+      return;
+    }
+    const base = apiBase() || location.origin;
+    els.codeCurl.textContent = ChatParams.curl(base + "/v1/chat/completions", body);
+    els.codePython.textContent = ChatParams.python(base + "/v1", body);
+    els.dialog.showModal();
+  }
+  function selectTab(python) {
+    els.tabCurl.setAttribute("aria-selected", String(!python));
+    els.tabPython.setAttribute("aria-selected", String(python));
+    els.codeCurl.hidden = python;
+    els.codePython.hidden = !python;
   }
 
   // ------------------------------------------------------------------ wiring
@@ -266,21 +555,43 @@
     const text = els.prompt.value.trim();
     if (!text || controller) return;
     els.prompt.value = "";
-    send(text);
+    submit(text);
   });
   els.prompt.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); els.form.requestSubmit(); }
   });
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && controller && !els.dialog.open) { e.preventDefault(); controller.abort(); }
+  });
   els.stop.addEventListener("click", () => { if (controller) controller.abort(); });
-  els.clear.addEventListener("click", () => { if (controller) controller.abort(); history = []; els.messages.replaceChildren(); });
+  els.newChat.addEventListener("click", () => { openChat(ChatStore.create()); els.prompt.focus(); });
   els.toggleKey.addEventListener("click", () => {
     const show = els.key.type === "password";
     els.key.type = show ? "text" : "password";
     els.toggleKey.textContent = show ? "hide" : "show";
   });
+  els.viewCode.addEventListener("click", showCode);
+  els.tabCurl.addEventListener("click", () => selectTab(false));
+  els.tabPython.addEventListener("click", () => selectTab(true));
+  els.closeCode.addEventListener("click", () => els.dialog.close());
+  els.copyCode.addEventListener("click", () => {
+    const text = (els.codeCurl.hidden ? els.codePython : els.codeCurl).textContent;
+    if (navigator.clipboard) navigator.clipboard.writeText(text).then(() => setStatus("Copied."), () => setStatus("Copy failed."));
+  });
+  for (const [btn, cls] of [[els.toggleChats, "show-chats"], [els.toggleSettings, "show-settings"]]) {
+    btn.addEventListener("click", () => {
+      const on = document.body.classList.toggle(cls);
+      btn.setAttribute("aria-expanded", String(on));
+    });
+  }
   for (const el of [els.key, els.base]) el.addEventListener("change", () => { save(); loadModels(); });
   for (const el of [els.model, els.system, els.temperature, els.maxTokens]) el.addEventListener("change", save);
+  for (const id of ChatParams.ids()) $(id).addEventListener("change", save);
 
   load();
+  chat = ChatStore.get(ChatStore.currentId()) || ChatStore.list()[0] || ChatStore.create();
+  ChatStore.setCurrent(chat.id);
+  renderMessages();
+  renderChatList();
   loadModels();
 })();

@@ -1,0 +1,74 @@
+// Saved chats in localStorage.
+//
+// "gw.chats": JSON array of chats, "gw.chat": the id of the open one. A chat:
+//   {id: string, title: string, created: ms, updated: ms, messages: Message[]}
+// A message:
+//   {role: "user"|"assistant", content: string, state?: "done"|"stopped"|"error"|"filtered"|"cut",
+//    stats?: [[name, text]], notices?: [[kind, text]], alts?: string[] (choices 1..n-1),
+//    tool_calls?: object[], entry?: {request, response, headers, request_id} (see app.js)}
+// The title is the first line of the first user message (48 characters at most).
+// Writing past the storage quota (DOMException QuotaExceededError) drops the inspector entries (the
+// largest part: logprobs) of every chat, then the oldest chats, until the write fits.
+"use strict";
+
+(() => {
+  const KEY = "gw.chats";
+  const CURRENT = "gw.chat";
+
+  function all() {
+    try {
+      const v = JSON.parse(localStorage.getItem(KEY) || "[]");
+      return Array.isArray(v) ? v.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages)) : [];
+    } catch (_) {
+      return [];
+    }
+  }
+
+  function write(chats) {
+    for (;;) {
+      try {
+        localStorage.setItem(KEY, JSON.stringify(chats));
+        return;
+      } catch (e) {
+        const withEntry = chats.some((c) => c.messages.some((m) => m.entry));
+        if (withEntry) chats.forEach((c) => c.messages.forEach((m) => delete m.entry));
+        else if (chats.length > 1) chats.sort((a, b) => b.updated - a.updated).pop();
+        else throw e;
+      }
+    }
+  }
+
+  function titleOf(chat) {
+    const first = chat.messages.find((m) => m.role === "user" && m.content.trim());
+    if (!first) return "New chat";
+    const line = first.content.trim().split("\n")[0];
+    return line.length > 48 ? line.slice(0, 47) + "\u2026" : line;
+  }
+
+  function newId() {
+    return Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
+  }
+
+  const ChatStore = {
+    /** Chats, the most recently updated first. */
+    list() { return all().sort((a, b) => b.updated - a.updated); },
+    get(id) { return all().find((c) => c.id === id) || null; },
+    create() {
+      const now = Date.now();
+      return { id: newId(), title: "New chat", created: now, updated: now, messages: [] };
+    },
+    /** Stores `chat` (a chat without messages is not kept). */
+    save(chat) {
+      chat.title = titleOf(chat);
+      chat.updated = Date.now();
+      const chats = all().filter((c) => c.id !== chat.id);
+      if (chat.messages.length) chats.push(chat);
+      write(chats);
+    },
+    remove(id) { write(all().filter((c) => c.id !== id)); },
+    currentId() { return localStorage.getItem(CURRENT); },
+    setCurrent(id) { localStorage.setItem(CURRENT, id); },
+  };
+
+  window.ChatStore = ChatStore;
+})();
