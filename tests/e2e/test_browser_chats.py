@@ -27,6 +27,10 @@ from test_filters_http import new_tenant
 
 IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 CODE_REGEX = r"```python\nprint\(1 \+ 2\)\n```"
+SHOWCASE_REGEX = (
+    r"Here is a function that adds two \*\*numbers\*\*:\n\n```python\ndef add\(a, b\):\n"
+    r"    return a \+ b\n```\n\nCall it as `add\(2, 3\)`\."
+)
 EVIL = "<img src=x onerror=p=1> **b**"  # p: a global the handler would set
 FAKE_INSPECTOR = """(() => {
   const fake = {open: (entry) => { window.__entry = entry; }};
@@ -70,7 +74,8 @@ def test_markdown_saved_chat_regenerate_edit(gw, page):  # noqa: F811 - fixtures
     open_playground(page, gw.base_url, key, max_tokens=24)
     set_param(page, "format", "regex")
     set_param(page, "format-spec", CODE_REGEX)
-    send(page, "Show me a Python add function.")
+    page.fill("#prompt", "Show me a Python add function.")
+    page.press("#prompt", "Enter")  # Enter sends
     assert wait_state(page, "done", "error") == "done", last_answer(page).inner_text()
     code = last_answer(page).locator(".content pre code.language-python")
     assert "print(1 + 2)" in code.inner_text()
@@ -105,15 +110,41 @@ def test_markdown_saved_chat_regenerate_edit(gw, page):  # noqa: F811 - fixtures
         {"role": "user", "content": "Show me an add function, please."}
     ]
     assert page.locator("#chat-list li[aria-current=true]").inner_text().startswith("Show me an add function")
+    # phone width: the chats and the settings are drawers behind two header buttons
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert not page.is_visible("#settings") and not page.is_visible("#chats")
+    page.click("#toggle-settings")
+    assert (
+        page.is_visible("#max-tokens") and page.get_attribute("#toggle-settings", "aria-expanded") == "true"
+    )
+    page.click("#toggle-settings")
+    page.click("#toggle-chats")
+    assert page.is_visible("#chat-list li[aria-current=true]")
+    page.click("#toggle-chats")
+    page.set_viewport_size({"width": 1280, "height": 720})
     only_gateway(page, gw.base_url)
 
     if os.environ.get("LLM_GATEWAY_SCREENSHOTS") == "1":
-        IMG.mkdir(parents=True, exist_ok=True)
-        page.set_viewport_size({"width": 1280, "height": 800})
-        page.screenshot(path=str(IMG / "playground.png"))
-        page.set_viewport_size({"width": 390, "height": 844})
-        page.screenshot(path=str(IMG / "playground-phone.png"))
-        page.set_viewport_size({"width": 1280, "height": 720})
+        screenshots(page)
+
+
+def screenshots(pg) -> None:
+    """docs/img/playground.png (1280x800) and playground-phone.png (390x844): a second chat whose answer
+    is forced (regex) into markdown with a code block, the Parameters panel open."""
+    IMG.mkdir(parents=True, exist_ok=True)
+    pg.set_viewport_size({"width": 1280, "height": 800})
+    pg.click("#new-chat")
+    pg.fill("#max-tokens", "64")
+    set_param(pg, "top_k", "40")
+    set_param(pg, "format", "regex")
+    set_param(pg, "format-spec", SHOWCASE_REGEX)
+    send(pg, "Write a Python function that adds two numbers.")
+    assert wait_state(pg, "done", "error") == "done", last_answer(pg).inner_text()
+    pg.evaluate("() => { document.getElementById('settings').scrollTop = 0; }")
+    pg.screenshot(path=str(IMG / "playground.png"))
+    pg.set_viewport_size({"width": 390, "height": 844})
+    pg.screenshot(path=str(IMG / "playground-phone.png"))
+    pg.set_viewport_size({"width": 1280, "height": 720})
 
 
 def test_model_html_is_text(gw, page):  # noqa: F811 - fixtures
