@@ -508,7 +508,13 @@
       const i = owner.messages.indexOf(msg);
       if (i >= 0) {
         ChatStore.save(owner);
-        if (owner === chat && div.isConnected) div.replaceWith(messageView(i)); // stats, notices, actions
+        if (owner === chat && div.isConnected) {
+          // in place: the answer's blocks are morphed (no flicker), stats, notices and actions swapped in
+          const fresh = messageView(i);
+          ChatRender.markdown(content, msg.content);
+          div.dataset.state = state;
+          for (const part of [".extra", ".actions"]) div.querySelector(part).replaceWith(fresh.querySelector(part));
+        }
         renderChatList();
       }
       scrollDown();

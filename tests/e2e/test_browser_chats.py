@@ -22,11 +22,20 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 from test_browser_playground import browser, gw, last_answer, open_playground, page, send, wait_state  # noqa: F401 - fixtures
 from test_filters_http import new_tenant
 
 IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
-CODE_REGEX = r"```python\nprint\(1 \+ 2\)\n```"
+# Records the answer's first block once a second one follows it (it is final then).
+KEEP_FIRST_BLOCK = """() => {
+  window.__firstBlock = null;
+  new MutationObserver(() => {
+    const c = document.querySelector('.msg.assistant:last-child .content');
+    if (c && !window.__firstBlock && c.children.length >= 2) window.__firstBlock = c.firstElementChild;
+  }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+}"""
+CODE_REGEX = r"Use \*\*add\*\*:\n\n```python\ndef add\(a, b\):\n    return a \+ b\n```"
 SHOWCASE_REGEX = (
     r"Here is a function that adds two \*\*numbers\*\*:\n\n```python\ndef add\(a, b\):\n"
     r"    return a \+ b\n```\n\nCall it as `add\(2, 3\)`\."
@@ -71,15 +80,22 @@ def record_posts(pg) -> None:
 def test_markdown_saved_chat_regenerate_edit(gw, page):  # noqa: F811 - fixtures
     record_posts(page)
     _, key = new_tenant(gw, "chats")
-    open_playground(page, gw.base_url, key, max_tokens=24)
+    open_playground(page, gw.base_url, key, max_tokens=40)
     set_param(page, "format", "regex")
     set_param(page, "format-spec", CODE_REGEX)
+    page.evaluate(KEEP_FIRST_BLOCK)
     page.fill("#prompt", "Show me a Python add function.")
     page.press("#prompt", "Enter")  # Enter sends
     assert wait_state(page, "done", "error") == "done", last_answer(page).inner_text()
     code = last_answer(page).locator(".content pre code.language-python")
-    assert "print(1 + 2)" in code.inner_text()
-    assert code.locator("span.hljs-number").count() >= 1  # highlighted
+    assert "return a + b" in code.inner_text()
+    assert code.locator("span.hljs-keyword").count() >= 2  # def, return: highlighted
+    assert last_answer(page).locator(".content strong").inner_text() == "add"
+    # the first paragraph, once followed by another block, kept its node while the rest streamed
+    assert page.evaluate(
+        "() => !!window.__firstBlock && window.__firstBlock === "
+        "document.querySelector('.msg.assistant:last-child .content').firstElementChild"
+    )
     first = posted_bodies(page)[-1]
     assert first["structured_outputs"] == {"regex": CODE_REGEX}
 
@@ -90,7 +106,7 @@ def test_markdown_saved_chat_regenerate_edit(gw, page):  # noqa: F811 - fixtures
     assert page.locator(".msg").count() == 0
     item.locator(".chat-open").click()
     assert page.locator(".msg").count() == 2
-    assert "print(1 + 2)" in last_answer(page).locator("pre").inner_text()
+    assert "return a + b" in last_answer(page).locator("pre").inner_text()
 
     page.wait_for_function("() => document.getElementById('model').value !== ''")
     set_param(page, "format", "text")  # free text from here on (constrained decoding is slower)
@@ -242,4 +258,18 @@ def test_view_code_is_the_request_and_inspect_entry(gw, page):  # noqa: F811 - f
     assert wait_state(page, "error", "done") == "error"
     note = last_answer(page).locator(".notice").inner_text()
     assert "Bad request (400), parameter top_p" in note, note
+    only_gateway(page, gw.base_url)
+
+
+def test_inspect_button_opens_the_inspector(gw, page):  # noqa: F811 - fixtures
+    _, key = new_tenant(gw, "insp-pg", limits={"rpm": 100})
+    open_playground(page, gw.base_url, key, max_tokens=4)
+    if not page.evaluate("() => !!window.Inspector"):
+        pytest.skip("gateway/static/inspector.js is not there")
+    page.check("#p-inspect")
+    send(page, "Hi.")
+    assert wait_state(page, "done", "error") == "done", last_answer(page).inner_text()
+    last_answer(page).locator("button.inspect").click()
+    page.wait_for_selector("#inspector[data-state=ready]")  # the record was found and drawn
+    page.keyboard.press("Escape")
     only_gateway(page, gw.base_url)
