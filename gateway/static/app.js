@@ -260,6 +260,10 @@
     for (const [kind, text] of msg.notices || []) addNotice(div, kind, text);
     if (msg.stats && msg.stats.length) addStats(div, msg.stats);
   }
+  // The markdown an answer is drawn from: JSON output (response_format) as a fenced json block.
+  function markdownOf(msg) {
+    return msg.format === "json" && msg.content ? "```json\n" + msg.content + "\n```" : msg.content;
+  }
   // The view of chat.messages[i].
   function messageView(i) {
     const msg = chat.messages[i];
@@ -271,7 +275,7 @@
     r.textContent = msg.role;
     const c = document.createElement("div");
     c.className = "content";
-    if (msg.role === "assistant") ChatRender.markdown(c, msg.content);
+    if (msg.role === "assistant") ChatRender.markdown(c, markdownOf(msg));
     else ChatRender.plain(c, msg.content);
     const extra = document.createElement("div");
     extra.className = "extra";
@@ -393,6 +397,7 @@
     }
     const owner = chat; // the user may open another chat meanwhile
     const msg = { role: "assistant", content: "", state: "streaming", notices: [], stats: [] };
+    if (body.response_format && body.response_format.type !== "text") msg.format = "json"; // shown as a JSON block
     chat.messages.push(msg);
     const div = messageView(chat.messages.length - 1);
     els.messages.append(div);
@@ -402,7 +407,7 @@
     const render = () => {
       timer = null;
       lastRender = performance.now();
-      ChatRender.markdown(content, msg.content);
+      ChatRender.markdown(content, markdownOf(msg));
       scrollDown();
     };
     const schedule = () => {
@@ -511,7 +516,7 @@
         if (owner === chat && div.isConnected) {
           // in place: the answer's blocks are morphed (no flicker), stats, notices and actions swapped in
           const fresh = messageView(i);
-          ChatRender.markdown(content, msg.content);
+          render();
           div.dataset.state = state;
           for (const part of [".extra", ".actions"]) div.querySelector(part).replaceWith(fresh.querySelector(part));
         }

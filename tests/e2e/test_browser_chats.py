@@ -27,6 +27,17 @@ from test_browser_playground import browser, gw, last_answer, open_playground, p
 from test_filters_http import new_tenant
 
 IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]}},
+            "required": ["city"],
+        },
+    },
+}
 # Records the answer's first block once a second one follows it (it is final then).
 KEEP_FIRST_BLOCK = """() => {
   window.__firstBlock = null;
@@ -272,4 +283,41 @@ def test_inspect_button_opens_the_inspector(gw, page):  # noqa: F811 - fixtures
     last_answer(page).locator("button.inspect").click()
     page.wait_for_selector("#inspector[data-state=ready]")  # the record was found and drawn
     page.keyboard.press("Escape")
+    only_gateway(page, gw.base_url)
+
+
+def test_tool_call_and_json_answer_shown(gw, page):  # noqa: F811 - fixtures
+    record_posts(page)
+    _, key = new_tenant(gw, "tools-pg")
+    open_playground(page, gw.base_url, key, max_tokens=40)
+    set_param(page, "tools", json.dumps([WEATHER]))
+    set_param(page, "tool_choice", "get_weather")
+    send(page, "Weather in Oslo?")
+    assert wait_state(page, "done", "error") == "done", last_answer(page).inner_text()
+    assert posted_bodies(page)[-1]["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    call = last_answer(page).locator(".tool-calls").inner_text()
+    assert call.startswith("get_weather(") and json.loads(call[len("get_weather(") : -1])["city"] in (
+        "Oslo",
+        "Paris",
+    )
+
+    set_param(page, "tools", "")
+    set_param(page, "tool_choice", "")
+    set_param(page, "format", "json_schema")
+    set_param(
+        page,
+        "format-spec",
+        json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
+    )
+    send(page, "Is it sunny?")
+    assert wait_state(page, "done", "error") == "done", last_answer(page).inner_text()
+    sent = posted_bodies(page)[-1]
+    assert sent["response_format"]["type"] == "json_schema" and "tools" not in sent
+    shown = last_answer(page).locator(".content pre code.language-json").inner_text()
+    assert isinstance(json.loads(shown)["ok"], bool)
+
+    set_param(page, "format-spec", "{not json")
+    send(page, "Again?")
+    assert "Parameters: response_format.json_schema.schema: not valid JSON" in page.inner_text("#status")
+    assert len(page.posted) == 2  # nothing sent
     only_gateway(page, gw.base_url)
