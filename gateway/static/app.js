@@ -176,7 +176,12 @@
     ChatStore.setCurrent(c.id);
     renderMessages();
     renderChatList();
-    document.body.classList.remove("show-chats");
+    closeDrawers();
+  }
+  function closeDrawers() { // the phone-width panels
+    document.body.classList.remove("show-chats", "show-settings");
+    els.toggleChats.setAttribute("aria-expanded", "false");
+    els.toggleSettings.setAttribute("aria-expanded", "false");
   }
   function persist() {
     ChatStore.save(chat);
@@ -572,7 +577,8 @@
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); els.form.requestSubmit(); }
   });
   document.addEventListener("keydown", (e) => {
-    if (e.key === "Escape" && controller && !els.dialog.open) { e.preventDefault(); controller.abort(); }
+    if (e.key !== "Escape" || els.dialog.open) return; // the dialog closes itself on Esc
+    if (controller) { e.preventDefault(); controller.abort(); } else closeDrawers();
   });
   els.stop.addEventListener("click", () => { if (controller) controller.abort(); });
   els.newChat.addEventListener("click", () => { openChat(ChatStore.create()); els.prompt.focus(); });

@@ -2,7 +2,7 @@
 against the real gateway (shared ``gateway`` fixture: subprocess + real backend).
 
 Checks: the answer grows in >= 3 DOM updates before it ends, then TTFT / tok/s / cached-token stats;
-Stop aborts the fetch and the backend aborts the request (``/admin/v1/stats``); a page served from
+Stop (the button, then Esc) aborts the fetch and the backend aborts the request (``/admin/v1/stats``); a page served from
 another origin streams with an ``Authorization`` header (CORS preflight); a blocked prompt (400
 content_filter) and a cut answer (finish_reason content_filter) are shown as such; 401 and 429 (with
 its retry time) are shown plainly.
@@ -188,6 +188,17 @@ def test_stop_aborts_backend(gw, page):
         st = gw.stats()
     assert st["aborts"] > before and st["running"] == 0, st
     assert time.monotonic() - t_stop < 60
+
+    send(page, "Tell me another long story.")  # Esc stops too
+    page.wait_for_function(
+        "() => document.querySelector('.msg.assistant:last-child .content').textContent.length > 5"
+    )
+    page.keyboard.press("Escape")
+    assert wait_state(page, "stopped") == "stopped"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and gw.stats()["running"] != 0:
+        time.sleep(0.1)
+    assert gw.stats()["running"] == 0
 
 
 def test_cross_origin_page_streams_with_authorization(gw, page):
