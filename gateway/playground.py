@@ -1,5 +1,6 @@
-"""The browser playground: ``GET /`` (``static/index.html``, never cached) and ``/static/*`` (its script and
-style). Public paths (no key: the page asks for one and sends it as a bearer token)."""
+"""The browser playground: ``GET /`` (``static/index.html``, never cached) and ``/static/*`` (its scripts and
+styles, the other pages' files, and the vendored libraries under ``static/vendor/``). Public paths (no key: the
+page asks for one and sends it as a bearer token). The page itself: docs/playground.md."""
 
 from __future__ import annotations
 
