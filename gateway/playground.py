@@ -1,6 +1,7 @@
-"""The browser playground: ``GET /`` (``static/index.html``, never cached) and ``/static/*`` (its scripts and
-styles, the other pages' files, and the vendored libraries under ``static/vendor/``). Public paths (no key: the
-page asks for one and sends it as a bearer token). The page itself: docs/playground.md."""
+"""The browser pages: ``GET /`` (the playground, ``static/index.html``), ``GET /admin`` (the operator
+dashboard, ``static/admin.html``), both never cached, and ``/static/*`` (their scripts and styles, the
+inspector's, and the vendored libraries under ``static/vendor/``). Public paths (no key: a page asks for one
+and sends it as a bearer token). The playground itself: docs/playground.md."""
 
 from __future__ import annotations
 
