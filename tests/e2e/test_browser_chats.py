@@ -2,14 +2,18 @@
 /usr/bin/chromium headless against the real gateway (shared ``gateway`` fixture), fixtures and helpers from
 ``test_browser_playground``.
 
-Checks: an answer forced by a regex (``structured_outputs``, set in the Parameters panel) to be a fenced code
-block renders as a highlighted ``<pre><code>``; after a reload the chat is in the sidebar, titled by its first
-message, and reopens; Regenerate re-sends the conversation and replaces the answer; Edit cuts the conversation
-after the edited message and re-sends it; model text with ``<img onerror>`` / ``<script>`` (forced through
-``structured_outputs.choice``) and a crafted saved chat render as text, run nothing and fetch nothing; "View
-code" shows the exact body that Send posts next (curl and OpenAI SDK, the key only as ``$OPENAI_API_KEY``);
-the Inspect entry holds the body sent, the assembled response (logprobs, usage, timings) and the headers; a
-bad parameter is a 400 naming it. Every request the page makes goes to the gateway.
+Checks: an answer forced by a regex (``structured_outputs``, set in the Parameters panel; Enter sends) to be
+a paragraph and a fenced code block renders as a highlighted ``<pre><code>``, the first block keeping its
+node while the rest streams; after a reload the chat is in the sidebar, titled by its first message, and
+reopens; Regenerate re-sends the conversation and replaces the answer; Edit cuts the conversation after the
+edited message and re-sends it; the phone-width drawers open and close. Model text with ``<img onerror>``
+(forced by a regex) and a crafted saved chat (``<script>``, ``<svg onload>``, a ``javascript:`` link, a
+remote image) render as text, run nothing and fetch nothing; a chat can be deleted. "View code" shows the
+exact body that Send posts next (curl and OpenAI SDK, the key only as ``$OPENAI_API_KEY``); the model picker
+lists ``GET /v1/models``; the Inspect entry holds the body sent, the assembled response (two choices with
+logprobs, usage, timings) and the headers; a bad parameter is a 400 naming it. The Inspect button opens the
+inspector on the gateway's record. A forced tool call and a JSON-schema answer are shown as such; a schema
+that does not parse is refused before sending. Every request the page makes goes to the gateway.
 
 ``LLM_GATEWAY_SCREENSHOTS=1`` also writes docs/img/playground.png (1280x800) and
 docs/img/playground-phone.png (390x844).
@@ -22,6 +26,7 @@ import os
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 from test_browser_playground import browser, gw, last_answer, open_playground, page, send, wait_state  # noqa: F401 - fixtures
 from test_filters_http import new_tenant
@@ -219,6 +224,10 @@ def test_model_html_is_text(gw, page):  # noqa: F811 - fixtures
     )
     assert page.locator("#messages a").get_attribute("href") is None
     assert page.evaluate("() => window.__pwned") is None
+
+    page.click("#chat-list li[data-id=crafted] .chat-delete")  # deleting the open chat opens a new one
+    assert page.locator("#chat-list li[data-id=crafted]").count() == 0 and page.locator(".msg").count() == 0
+    assert "crafted" not in page.evaluate("() => localStorage.getItem('gw.chats')")
     only_gateway(page, gw.base_url)
 
 
@@ -227,6 +236,9 @@ def test_view_code_is_the_request_and_inspect_entry(gw, page):  # noqa: F811 - f
     page.add_init_script(FAKE_INSPECTOR)
     _, key = new_tenant(gw, "code", limits={"rpm": 100})
     open_playground(page, gw.base_url, key, max_tokens=6, system="Be brief.")
+    models = httpx.get(gw.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    ids = [m["id"] for m in models.json()["data"]]
+    assert page.eval_on_selector_all("#model option", "(os) => os.map((o) => o.value)") == ids  # the picker
     for name, value in [("top_k", "40"), ("seed", "7"), ("min_p", "0.05"), ("stop", "\n\n\nEND"), ("n", "2")]:
         set_param(page, name, value)
     page.check("#p-logprobs")
