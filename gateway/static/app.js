@@ -2,8 +2,9 @@
 //
 // Modules (plain scripts, loaded in order with `defer`): vendor/ (marked, DOMPurify, highlight.js),
 // chat-render.js (window.ChatRender: safe markdown), chat-store.js (window.ChatStore: saved chats),
-// chat-params.js (window.ChatParams: the Parameters panel, View code), inspector.js (window.Inspector,
-// optional), then this file (the page).
+// chat-params.js (window.ChatParams: the Parameters panel, View code), chat-stream.js (window.ChatStream:
+// errors in words, the SSE parser, a stream assembled), inspector.js (window.Inspector, optional), then this
+// file (the page).
 //
 // Inspector contract. Each finished assistant answer keeps an `entry`; its "Inspect" button (shown when
 // window.Inspector exists) calls window.Inspector.open(entry) with
@@ -21,14 +22,14 @@
 //   }
 // Entries are saved with the chat (dropped first when localStorage is full).
 //
-// Streaming: fetch() + ReadableStream + an SSE parser following the WHATWG HTML
-// "event stream interpretation" (https://html.spec.whatwg.org/multipage/server-sent-events.html).
+// Streaming: fetch() + ReadableStream + the SSE parser of chat-stream.js.
 // Stop (button or Esc): AbortController (the gateway sees the connection close and aborts the backend
 // request). An answer re-renders at most every RENDER_MS while it streams (chat-render.js morphs the DOM).
 "use strict";
 
 (() => {
   const $ = (id) => document.getElementById(id);
+  const { errorOf, describeHttpError, filterText, sseEvents, headersObject, fold } = ChatStream;
   const els = {
     key: $("api-key"), toggleKey: $("toggle-key"), base: $("api-base"), model: $("model"),
     system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"), newChat: $("new-chat"),
@@ -74,6 +75,11 @@
     return h;
   }
   function setStatus(text) { els.status.textContent = text; }
+  // The clipboard API exists only in secure contexts (https, localhost).
+  function copyText(text) {
+    if (!navigator.clipboard) { setStatus("Copying needs https or localhost: select the text instead."); return; }
+    navigator.clipboard.writeText(text).then(() => setStatus("Copied."), () => setStatus("Copy failed."));
+  }
 
   // The model picker: the ids of GET /v1/models, `keep` selected when listed (or kept as the only one).
   function setModelOptions(ids, keep) {
@@ -92,81 +98,6 @@
     } catch (e) {
       setStatus("Could not reach the gateway (" + e.message + ").");
     }
-  }
-
-  // ------------------------------------------------------------------ errors
-  function retrySeconds(r) {
-    const ms = r.headers.get("retry-after-ms");
-    if (ms !== null && ms !== "" && !isNaN(Number(ms))) return Number(ms) / 1000;
-    const s = r.headers.get("retry-after");
-    if (s === null || s === "") return null;
-    if (!isNaN(Number(s))) return Number(s);
-    const d = Date.parse(s); // HTTP-date form
-    return isNaN(d) ? null : Math.max(0, (d - Date.now()) / 1000);
-  }
-  function filterText(result) {
-    // Azure-style content_filter_result(s): {category: {filtered, hook, ...}}
-    if (!result || typeof result !== "object") return "";
-    const parts = [];
-    for (const [cat, v] of Object.entries(result)) {
-      if (v && typeof v === "object" && v.filtered) parts.push("category " + cat + (v.hook ? " (hook " + v.hook + ")" : ""));
-    }
-    return parts.join(", ");
-  }
-  async function errorOf(r) {
-    try { return (await r.json()).error || {}; } catch (_) { return {}; } // not JSON
-  }
-  async function describeHttpError(r, err) {
-    if (err === undefined) err = await errorOf(r);
-    const msg = err.message || r.statusText || "error";
-    if (r.status === 401) return "Authentication failed (401): " + msg + " Check the API key.";
-    if (r.status === 429) {
-      const s = retrySeconds(r);
-      return "Rate limited (429): " + msg + (s !== null ? " Retry after " + (Math.round(s * 10) / 10) + " s." : "");
-    }
-    if (r.status === 400 && err.code === "content_filter") {
-      const detail = filterText(err.innererror && err.innererror.content_filter_result);
-      return "Prompt blocked by the content filter (400)" + (detail ? ": " + detail : "") + ".";
-    }
-    if (r.status === 400) return "Bad request (400)" + (err.param ? ", parameter " + err.param : "") + ": " + msg;
-    if (r.status === 503) {
-      const s = retrySeconds(r);
-      return "Service unavailable (503" + (err.code ? " " + err.code : "") + "): " + msg + (s !== null ? " Retry after " + s + " s." : "");
-    }
-    return "Error " + r.status + (err.code ? " " + err.code : "") + ": " + msg;
-  }
-
-  // ------------------------------------------------------------------ SSE
-  // Yields the data of each event (WHATWG: lines end in CRLF, LF or CR; "data:" lines are joined
-  // with "\n"; one leading space is dropped; ":" lines are comments (heartbeats); blank line ends an event).
-  async function* sseEvents(body) {
-    const reader = body.pipeThrough(new TextDecoderStream()).getReader();
-    let buf = "";
-    let data = [];
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += value;
-      let m;
-      while ((m = /\r\n|\n|\r/.exec(buf)) !== null) {
-        if (m[0] === "\r" && m.index === buf.length - 1) break; // maybe the first half of CRLF
-        const line = buf.slice(0, m.index);
-        buf = buf.slice(m.index + m[0].length);
-        if (line === "") {
-          if (data.length) yield data.join("\n");
-          data = [];
-        } else if (line.startsWith(":")) {
-          continue;
-        } else {
-          const i = line.indexOf(":");
-          const field = i < 0 ? line : line.slice(0, i);
-          let v = i < 0 ? "" : line.slice(i + 1);
-          if (v.startsWith(" ")) v = v.slice(1);
-          if (field === "data") data.push(v);
-        }
-      }
-    }
-    if (data.length) yield data.join("\n");
   }
 
   // ------------------------------------------------------------------ chats
@@ -292,7 +223,7 @@
       actions.append(button("Edit", "edit", () => editMessage(div, i), "Edit this message and resend"));
     } else if (msg.state && msg.state !== "streaming") {
       actions.append(button("Regenerate", "regenerate", () => regenerate(i), "Regenerate this answer"));
-      actions.append(button("Copy", "copy", () => navigator.clipboard && navigator.clipboard.writeText(msg.content), "Copy this answer"));
+      actions.append(button("Copy", "copy", () => copyText(msg.content), "Copy this answer"));
       if (msg.entry && window.Inspector && typeof window.Inspector.open === "function") {
         actions.append(button("Inspect", "inspect", () => window.Inspector.open(msg.entry), "Inspect this answer"));
       }
@@ -359,36 +290,6 @@
     if (!isNaN(mt)) body.max_tokens = mt;
     return Object.assign(body, ChatParams.fields());
   }
-  function headersObject(h) {
-    const o = {};
-    h.forEach((v, k) => { o[k.toLowerCase()] = v; });
-    return o;
-  }
-  // Folds one chunk into the assembled response `resp` (per choice: text, tool calls, logprobs, finish).
-  function fold(resp, ev) {
-    for (const k of ["id", "created", "model", "system_fingerprint"]) if (ev[k] !== undefined) resp[k] = ev[k];
-    if (ev.usage) resp.usage = ev.usage;
-    if (ev.timings) resp.timings = ev.timings;
-    for (const ch of ev.choices || []) {
-      const c = resp.choices[ch.index] || (resp.choices[ch.index] = { index: ch.index, message: { role: "assistant", content: "" }, logprobs: null, finish_reason: null });
-      const d = ch.delta || {};
-      if (d.content) c.message.content += d.content;
-      for (const tc of d.tool_calls || []) {
-        const calls = c.message.tool_calls || (c.message.tool_calls = []);
-        const t = calls[tc.index] || (calls[tc.index] = { id: tc.id, type: "function", function: { name: "", arguments: "" } });
-        if (tc.id) t.id = tc.id;
-        if (tc.function && tc.function.name) t.function.name += tc.function.name;
-        if (tc.function && tc.function.arguments) t.function.arguments += tc.function.arguments;
-      }
-      if (ch.logprobs && ch.logprobs.content) {
-        c.logprobs = c.logprobs || { content: [] };
-        c.logprobs.content.push(...ch.logprobs.content);
-      }
-      if (ch.finish_reason) c.finish_reason = ch.finish_reason;
-      if (ch.content_filter_results) c.content_filter_results = ch.content_filter_results;
-    }
-  }
-
   // Streams an answer to the conversation as it stands (its last message is the user's).
   async function generate() {
     save();
@@ -592,8 +493,7 @@
   els.tabPython.addEventListener("click", () => selectTab(true));
   els.closeCode.addEventListener("click", () => els.dialog.close());
   els.copyCode.addEventListener("click", () => {
-    const text = (els.codeCurl.hidden ? els.codePython : els.codeCurl).textContent;
-    if (navigator.clipboard) navigator.clipboard.writeText(text).then(() => setStatus("Copied."), () => setStatus("Copy failed."));
+    copyText((els.codeCurl.hidden ? els.codePython : els.codeCurl).textContent);
   });
   for (const [btn, cls] of [[els.toggleChats, "show-chats"], [els.toggleSettings, "show-settings"]]) {
     btn.addEventListener("click", () => {
