@@ -125,25 +125,37 @@
       const li = document.createElement("li");
       li.dataset.id = c.id;
       if (chat && c.id === chat.id) li.setAttribute("aria-current", "true");
-      const open = document.createElement("button");
-      open.type = "button";
-      open.className = "chat-open";
-      open.textContent = c.title;
+      const open = button(c.title, "chat-open", () => openChat(ChatStore.get(c.id) || c));
       open.title = c.title;
-      open.addEventListener("click", () => openChat(ChatStore.get(c.id) || c));
-      const del = document.createElement("button");
-      del.type = "button";
-      del.className = "chat-delete";
-      del.textContent = "\u00d7";
-      del.setAttribute("aria-label", "Delete chat " + c.title);
-      del.addEventListener("click", () => {
+      const rename = button("\u270e", "chat-rename", () => renameChat(li, c), "Rename chat " + c.title);
+      const del = button("\u00d7", "chat-delete", () => {
         ChatStore.remove(c.id);
         if (chat && chat.id === c.id) openChat(ChatStore.list()[0] || ChatStore.create());
         else renderChatList();
-      });
-      li.append(open, del);
+      }, "Delete chat " + c.title);
+      li.append(open, rename, del);
       return li;
     }));
+  }
+  // An input in place of the title: Enter keeps it (an empty one goes back to the first message), Esc cancels.
+  function renameChat(li, c) {
+    const input = document.createElement("input");
+    input.className = "chat-title";
+    input.value = c.title;
+    input.setAttribute("aria-label", "Chat title");
+    input.addEventListener("keydown", (e) => {
+      if (e.key === "Escape") { e.stopPropagation(); renderChatList(); }
+      if (e.key !== "Enter") return;
+      const target = chat && chat.id === c.id ? chat : ChatStore.get(c.id) || c;
+      target.name = input.value.trim() || undefined;
+      if (target.messages.length) ChatStore.save(target);
+      else target.title = target.name || "New chat";
+      renderChatList();
+    });
+    input.addEventListener("blur", () => { if (input.isConnected) renderChatList(); });
+    li.replaceChildren(input);
+    input.focus();
+    input.select();
   }
 
   // ------------------------------------------------------------------ DOM

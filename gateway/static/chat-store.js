@@ -1,12 +1,13 @@
 // Saved chats in localStorage.
 //
 // "gw.chats": JSON array of chats, "gw.chat": the id of the open one. A chat:
-//   {id: string, title: string, created: ms, updated: ms, messages: Message[]}
+//   {id: string, title: string, name?: string (a title the user gave), created: ms, updated: ms,
+//    messages: Message[]}
 // A message:
 //   {role: "user"|"assistant", content: string, state?: "done"|"stopped"|"error"|"filtered"|"cut",
 //    stats?: [[name, text]], notices?: [[kind, text]], alts?: string[] (choices 1..n-1),
 //    tool_calls?: object[], entry?: {request, response, headers, request_id} (see app.js)}
-// The title is the first line of the first user message (48 characters at most).
+// The title is the user's `name`, else the first line of the first user message (48 characters at most).
 // Writing past the storage quota (DOMException QuotaExceededError) drops the inspector entries (the
 // largest part: logprobs) of every chat, then the oldest chats, until the write fits.
 "use strict";
@@ -39,6 +40,7 @@
   }
 
   function titleOf(chat) {
+    if (chat.name) return chat.name;
     const first = chat.messages.find((m) => m.role === "user" && m.content.trim());
     if (!first) return "New chat";
     const line = first.content.trim().split("\n")[0];

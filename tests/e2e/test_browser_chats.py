@@ -5,7 +5,7 @@
 Checks: an answer forced by a regex (``structured_outputs``, set in the Parameters panel; Enter sends) to be
 a paragraph and a fenced code block renders as a highlighted ``<pre><code>``, the first block keeping its
 node while the rest streams; after a reload the chat is in the sidebar, titled by its first message, and
-reopens; Regenerate re-sends the conversation and replaces the answer; Edit cuts the conversation after the
+reopens and can be renamed; Regenerate re-sends the conversation and replaces the answer; Edit cuts the conversation after the
 edited message and re-sends it; the phone-width drawers open and close. Model text with ``<img onerror>``
 (forced by a regex) and a crafted saved chat (``<script>``, ``<svg onload>``, a ``javascript:`` link, a
 remote image) render as text, run nothing and fetch nothing; a chat can be deleted. "View code" shows the
@@ -142,6 +142,11 @@ def test_markdown_saved_chat_regenerate_edit(gw, page):  # noqa: F811 - fixtures
         {"role": "user", "content": "Show me an add function, please."}
     ]
     assert page.locator("#chat-list li[aria-current=true]").inner_text().startswith("Show me an add function")
+    page.click("#chat-list li[aria-current=true] .chat-rename")
+    page.fill("#chat-list input.chat-title", "Adding")
+    page.press("#chat-list input.chat-title", "Enter")
+    page.reload()
+    assert page.locator("#chat-list li[aria-current=true] .chat-open").inner_text() == "Adding"
     # phone width: the chats and the settings are drawers behind two header buttons
     page.set_viewport_size({"width": 390, "height": 844})
     assert not page.is_visible("#settings") and not page.is_visible("#chats")
