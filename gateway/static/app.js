@@ -302,17 +302,22 @@
     if (!isNaN(mt)) body.max_tokens = mt;
     return Object.assign(body, ChatParams.fields());
   }
-  // Streams an answer to the conversation as it stands (its last message is the user's).
-  async function generate() {
-    save();
-    let body;
+  // Whether the Parameters panel reads; if not, says why and opens it.
+  function paramsOk() {
     try {
-      body = requestBody(chat.messages);
+      ChatParams.fields();
+      return true;
     } catch (e) {
       setStatus("Parameters: " + e.message);
       els.params.open = true;
-      return;
+      return false;
     }
+  }
+  // Streams an answer to the conversation as it stands (its last message is the user's).
+  async function generate() {
+    save();
+    if (!paramsOk()) return;
+    const body = requestBody(chat.messages);
     const owner = chat; // the user may open another chat meanwhile
     const msg = { role: "assistant", content: "", state: "streaming", notices: [], stats: [] };
     if (body.response_format && body.response_format.type !== "text") msg.format = "json"; // shown as a JSON block
@@ -458,14 +463,8 @@
     save();
     const pending = els.prompt.value.trim();
     const msgs = chat.messages.concat(pending ? [{ role: "user", content: pending }] : []);
-    let body;
-    try {
-      body = requestBody(msgs);
-    } catch (e) {
-      setStatus("Parameters: " + e.message);
-      els.params.open = true;
-      return;
-    }
+    if (!paramsOk()) return;
+    const body = requestBody(msgs);
     const base = apiBase() || location.origin;
     els.codeCurl.textContent = ChatParams.curl(base + "/v1/chat/completions", body);
     els.codePython.textContent = ChatParams.python(base + "/v1", body);
@@ -482,7 +481,7 @@
   els.form.addEventListener("submit", (e) => {
     e.preventDefault();
     const text = els.prompt.value.trim();
-    if (!text || controller) return;
+    if (!text || controller || !paramsOk()) return;
     els.prompt.value = "";
     submit(text);
   });

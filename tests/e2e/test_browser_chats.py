@@ -336,5 +336,5 @@ def test_tool_call_and_json_answer_shown(gw, page):  # noqa: F811 - fixtures
     set_param(page, "format-spec", "{not json")
     send(page, "Again?")
     assert "Parameters: response_format.json_schema.schema: not valid JSON" in page.inner_text("#status")
-    assert len(page.posted) == 2  # nothing sent
+    assert len(page.posted) == 2 and page.input_value("#prompt") == "Again?"  # nothing sent, the text kept
     only_gateway(page, gw.base_url)
