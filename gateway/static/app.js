@@ -115,8 +115,11 @@
     els.toggleSettings.setAttribute("aria-expanded", "false");
   }
   function persist() {
-    ChatStore.save(chat);
+    store(chat);
     renderChatList();
+  }
+  function store(c) {
+    if (!ChatStore.save(c)) setStatus("This chat is too large for the browser's storage: it is not saved.");
   }
   function renderChatList() {
     const chats = ChatStore.list();
@@ -433,9 +436,11 @@
       if (resp.id || resp.choices.length) {
         msg.entry = { request: body, response: resp, headers, request_id: headers["x-request-id"] || resp.id };
       }
+      setStatus({ done: "Ready.", stopped: "Stopped.", error: "Error: see the message.", filtered: "Prompt blocked.",
+                  cut: "Answer cut by the content filter." }[state] || state);
       const i = owner.messages.indexOf(msg);
       if (i >= 0) {
-        ChatStore.save(owner);
+        store(owner);
         if (owner === chat && div.isConnected) {
           // in place: the answer's blocks are morphed (no flicker), stats, notices and actions swapped in
           const fresh = messageView(i);
@@ -446,8 +451,6 @@
         renderChatList();
       }
       scrollDown();
-      setStatus({ done: "Ready.", stopped: "Stopped.", error: "Error: see the message.", filtered: "Prompt blocked.",
-                  cut: "Answer cut by the content filter." }[state] || state);
     }
   }
 

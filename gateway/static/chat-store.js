@@ -9,7 +9,8 @@
 //    tool_calls?: object[], entry?: {request, response, headers, request_id} (see app.js)}
 // The title is the user's `name`, else the first line of the first user message (48 characters at most).
 // Writing past the storage quota (DOMException QuotaExceededError) drops the inspector entries (the
-// largest part: logprobs) of every chat, then the oldest chats, until the write fits.
+// largest part: logprobs) of every chat, then the oldest chats, until the write fits (save() answers false
+// when the one chat alone does not fit).
 "use strict";
 
 (() => {
@@ -29,12 +30,12 @@
     for (;;) {
       try {
         localStorage.setItem(KEY, JSON.stringify(chats));
-        return;
+        return true;
       } catch (e) {
         const withEntry = chats.some((c) => c.messages.some((m) => m.entry));
         if (withEntry) chats.forEach((c) => c.messages.forEach((m) => delete m.entry));
         else if (chats.length > 1) chats.sort((a, b) => b.updated - a.updated).pop();
-        else throw e;
+        else return false;
       }
     }
   }
@@ -59,15 +60,15 @@
       const now = Date.now();
       return { id: newId(), title: "New chat", created: now, updated: now, messages: [] };
     },
-    /** Stores `chat` (a chat without messages is not kept). */
+    /** Stores `chat` (a chat without messages is not kept); false when even the chat alone does not fit. */
     save(chat) {
       chat.title = titleOf(chat);
       chat.updated = Date.now();
       const chats = all().filter((c) => c.id !== chat.id);
       if (chat.messages.length) chats.push(chat);
-      write(chats);
+      return write(chats);
     },
-    remove(id) { write(all().filter((c) => c.id !== id)); },
+    remove(id) { return write(all().filter((c) => c.id !== id)); },
     currentId() { return localStorage.getItem(CURRENT); },
     setCurrent(id) { localStorage.setItem(CURRENT, id); },
   };

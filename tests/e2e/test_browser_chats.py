@@ -8,7 +8,8 @@ node while the rest streams; after a reload the chat is in the sidebar, titled b
 reopens and can be renamed; Regenerate re-sends the conversation and replaces the answer; Edit cuts the conversation after the
 edited message and re-sends it; the phone-width drawers open and close. Model text with ``<img onerror>``
 (forced by a regex) and a crafted saved chat (``<script>``, ``<svg onload>``, a ``javascript:`` link, a
-remote image) render as text, run nothing and fetch nothing; a chat can be deleted. "View code" shows the
+remote image) render as text, run nothing and fetch nothing; a chat can be deleted; a full localStorage drops
+the inspector entries first. "View code" shows the
 exact body that Send posts next (curl and OpenAI SDK, the key only as ``$OPENAI_API_KEY``); the model picker
 lists ``GET /v1/models``; the Inspect entry holds the body sent, the assembled response (two choices with
 logprobs, usage, timings) and the headers; a bad parameter is a 400 naming it. The Inspect button opens the
@@ -43,6 +44,22 @@ WEATHER = {
         },
     },
 }
+# Fills localStorage to ~40 kB short of its quota, then saves a chat whose inspector entry is larger: the entry
+# goes, the chat stays.
+STORAGE_FULL = """() => {
+  localStorage.removeItem('gw.chats');
+  let n = 1 << 22, filler = '';
+  for (; n >= 1 << 14; n >>= 1) {
+    try { localStorage.setItem('filler', filler + 'x'.repeat(n)); filler += 'x'.repeat(n); } catch (_) {}
+  }
+  const chat = ChatStore.create();
+  chat.messages.push({role: 'user', content: 'kept'},
+                     {role: 'assistant', content: 'a', state: 'done', entry: {blob: 'y'.repeat(100000)}});
+  const saved = ChatStore.save(chat);
+  localStorage.removeItem('filler');
+  const back = ChatStore.get(chat.id);
+  return {saved, entry: !!back.messages[1].entry, content: back.messages[0].content};
+}"""
 # Records the answer's first block once a second one follows it (it is final then).
 KEEP_FIRST_BLOCK = """() => {
   window.__firstBlock = null;
@@ -233,6 +250,7 @@ def test_model_html_is_text(gw, page):  # noqa: F811 - fixtures
     page.click("#chat-list li[data-id=crafted] .chat-delete")  # deleting the open chat opens a new one
     assert page.locator("#chat-list li[data-id=crafted]").count() == 0 and page.locator(".msg").count() == 0
     assert "crafted" not in page.evaluate("() => localStorage.getItem('gw.chats')")
+    assert page.evaluate(STORAGE_FULL) == {"saved": True, "entry": False, "content": "kept"}
     only_gateway(page, gw.base_url)
 
 
