@@ -326,6 +326,7 @@
     if (body.response_format && body.response_format.type !== "text") msg.format = "json"; // shown as a JSON block
     chat.messages.push(msg);
     const div = messageView(chat.messages.length - 1);
+    div.setAttribute("aria-busy", "true"); // screen readers read the answer once it is complete
     els.messages.append(div);
     scrollDown();
     const content = div.querySelector(".content");
@@ -446,6 +447,7 @@
           const fresh = messageView(i);
           render();
           div.dataset.state = state;
+          div.removeAttribute("aria-busy");
           for (const part of [".extra", ".actions"]) div.querySelector(part).replaceWith(fresh.querySelector(part));
         }
         renderChatList();
@@ -492,7 +494,7 @@
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); els.form.requestSubmit(); }
   });
   document.addEventListener("keydown", (e) => {
-    if (e.key !== "Escape" || els.dialog.open) return; // the dialog closes itself on Esc
+    if (e.key !== "Escape" || document.querySelector("dialog[open]")) return; // a dialog closes itself on Esc
     if (controller) { e.preventDefault(); controller.abort(); } else closeDrawers();
   });
   els.stop.addEventListener("click", () => { if (controller) controller.abort(); });
