@@ -27,7 +27,7 @@ from gateway.tenants import Tenants
 # nothing, not even a 404.
 PUBLIC_PATHS = frozenset({"/", "/health", "/healthz", "/readyz", "/metrics", "/openapi.json", "/api/version"})
 PUBLIC_PREFIXES = ("/static/",)
-ADMIN_PAGE = "/admin"  # the dashboard page itself (GET/HEAD, this exact path): public, unlike /admin/...
+ADMIN_PAGE = "/admin"  # the dashboard page itself (this exact path): public, unlike /admin/...
 RATE_LIMIT_HEADERS = (b"x-ratelimit-limit-requests", b"x-ratelimit-limit-tokens")
 
 
@@ -58,9 +58,9 @@ def classify_path(
     """``"public"``, ``"admin"`` or ``"tenant"`` for a request path; the strictest of the raw and the
     normalized path wins (public only if both are; admin if either is under ``/admin``). Public: an exact
     member of ``public_paths`` (``/health/`` or ``/health/../admin`` is not) or a ``..``/``//``-free path under
-    ``public_prefixes``. ``OPTIONS`` (CORS preflight) and ``GET``/``HEAD`` of exactly :data:`ADMIN_PAGE` (the
+    ``public_prefixes``. ``OPTIONS`` (CORS preflight) and exactly :data:`ADMIN_PAGE` (the
     dashboard page) are public; unknown paths are ``tenant``."""
-    if method.upper() == "OPTIONS" or (method.upper() in ("GET", "HEAD") and path == ADMIN_PAGE):
+    if method.upper() == "OPTIONS" or path == ADMIN_PAGE:  # the page route only has GET: other methods 405
         return "public"
     norm = normalize_path(path)
     for p in (path.lower(), norm.lower()):
