@@ -18,6 +18,7 @@ database cannot be reached (PostgreSQL only; the breaker below then answers at o
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable
@@ -471,6 +472,11 @@ class ThreadedStore:
         except StoreUnavailable as e:
             raise StoreUnavailable(
                 f"cannot open the tenancy store {self.location}: {e.detail or e.message}", detail=e.detail
+            ) from None
+        except (sqlite3.Error, OSError) as e:  # a SQLite path that is not a database, or cannot be created
+            reason = f"{type(e).__name__}: {e}"
+            raise StoreUnavailable(
+                f"cannot open the tenancy store {self.location}: {reason}", detail=reason
             ) from None
         self.sync = SqlStore(db)
 

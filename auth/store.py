@@ -17,6 +17,7 @@ cannot be reached (PostgreSQL down, or past its connect/statement timeouts).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -136,9 +137,23 @@ def is_postgres(location: str) -> bool:
     return location.startswith(("postgresql://", "postgres://"))
 
 
+def check_location(location: str) -> None:
+    """Refuse a ``location`` that looks like a URL but is not a PostgreSQL one (``mysql://``, ``postgresq://``,
+    ``postgresql:/x``): without this it would be taken as a SQLite file path and a gateway would start on an
+    empty database. Raises ValueError naming the location and what is accepted."""
+    if is_postgres(location) or location == ":memory:":
+        return
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", location):
+        raise ValueError(
+            f"tenancy store {location!r}: not a postgresql:// (or postgres://) URL; a SQLite file is a path"
+        )
+
+
 def open_store(location: str) -> TenantStore:
     """The store for ``location`` (not yet opened: ``await store.open()``): PostgreSQL for a
-    ``postgresql://``/``postgres://`` URL, else the SQLite file at that path (or ``:memory:``)."""
+    ``postgresql://``/``postgres://`` URL, else the SQLite file at that path (or ``:memory:``).
+    Raises ValueError for a location :func:`check_location` refuses."""
+    check_location(location)
     if is_postgres(location):
         from .postgres_store import postgres_store
 

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import msgspec
 
+from auth.store import check_location
 from gateway.backends.address import parse_backend_url
 from ratelimit.redis_client import redis_connection
 
@@ -113,6 +114,7 @@ class TenancySettings(Section):
     admin_key: Annotated[str | None, _opt("admin bearer key (admin API off without one)")] = None
 
     def __post_init__(self) -> None:
+        check_location(self.db)  # ValueError: a URL that is not PostgreSQL's (not taken as a file path)
         if self.redis_url:
             redis_connection(self.redis_url)  # ValueError: a clear message naming what is wrong (no password)
 

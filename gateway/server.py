@@ -174,6 +174,7 @@ async def serve(settings: Settings) -> None:
             spool_dir=t.ledger_spool_dir,
             spool_rows=t.ledger_spool_rows,
             limits_fail_open=t.limits_fail_open,
+            create_default=False,  # after the model loads: a failed first start keeps the key unshown
         )
         try:
             await tenancy.start(nursery)
@@ -184,6 +185,7 @@ async def serve(settings: Settings) -> None:
         tok_path = settings.backend.tokenizer or model or (card.model_path if card else None)
         tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
         template = _chat_template(tokenizer, card.chat_template if card and card.chat_template else None)
+        await tenancy.create_default_tenant()
         obs = settings.observability
         metrics = GatewayMetrics(card.name if card else "", tenant_label=obs.metrics_tenant_label)
         metrics.set_stats_source(pool.stats)

@@ -136,25 +136,30 @@ class Tenants:
         when Redis cannot."""
         await self.store.open()
         await self.admission.start()
-        if self.create_default and await self.store.count_tenants() == 0:
-            try:
-                t = await self.store.create_tenant("default")
-            except ValueError:  # another gateway on the same store created it first: it announced the key
-                t = None
-        else:
-            t = None
-        if t is not None:
-            key, _ = await self.store.create_key(t.id, name="default")
-            self.default_key = key
-            self._announce(
-                f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now"
-            )
+        if self.create_default:
+            await self.create_default_tenant()
         await nursery.start(self.admission.run)
         await nursery.start(self.ledger.run)
         if self.store.feed is not None:
             self._feed_scope = trio.CancelScope()
             await nursery.start(self._listen, self.store.feed)
         self._started = True
+
+    async def create_default_tenant(self) -> None:
+        """On an empty store, create tenant ``default`` with one key and announce the key (once: it is not stored
+        in clear). The server calls this only once the model has loaded (``create_default=False`` to
+        :class:`Tenants`), so a first start that fails does not spend the one showing of the key."""
+        if await self.store.count_tenants() != 0:
+            return
+        try:
+            t = await self.store.create_tenant("default")
+        except ValueError:  # another gateway on the same store created it first: it announced the key
+            return
+        key, _ = await self.store.create_key(t.id, name="default")
+        self.default_key = key
+        self._announce(
+            f"gateway: created tenant 'default' ({t.id}) with API key {key} -- shown once, store it now"
+        )
 
     async def _listen(self, feed: ChangeFeed, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self._feed_scope:
