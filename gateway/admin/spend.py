@@ -27,11 +27,14 @@ async def spend(tenants: Tenants, query: Mapping[str, str]) -> Spend:
     """The report for ``query`` (the queued ledger rows written first).
 
     Raises:
-        InvalidRequest: 400 for a bad ``since``/``until`` or ``group_by`` (param names it).
+        InvalidRequest: 400 for a bad ``since``/``until`` (or ``until`` before ``since``) or ``group_by``
+            (param names it).
         NotFound: 404 ``tenant_not_found`` for a ``tenant_id`` that never existed.
         auth.errors.StoreUnavailable: the store did not answer (503 through the admin API's guard).
     """
     since, until = parse_time(query.get("since"), "since"), parse_time(query.get("until"), "until")
+    if since is not None and until is not None and until < since:
+        raise InvalidRequest("until must not be before since", param="until", code="invalid_value")
     group_by = query.get("group_by") or "tenant"
     if group_by not in GROUPS:
         raise InvalidRequest(

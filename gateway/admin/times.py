@@ -33,6 +33,8 @@ def parse_time(v: str | None, name: str) -> float | None:
         raise InvalidRequest(f"{name} must be UNIX seconds or an ISO-8601 date/time", param=name) from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
+    if dt.timestamp() < 0:
+        raise InvalidRequest(f"{name} must not be before 1970-01-01 (UNIX time 0)", param=name)
     return dt.timestamp()
 
 

@@ -127,6 +127,8 @@ async def test_spend_by_tenant_key_model_and_day(location, tmp_path):
             for query, status, param in (
                 ("group_by=week", 400, "group_by"),
                 ("since=yesterday", 400, "since"),
+                ("since=0001-01-01", 400, "since"),
+                ("since=2000&until=1000", 400, "until"),
                 ("tenant_id=nobody", 404, "tenant_id"),
             ):
                 r = await c.get(f"/admin/v1/spend?{query}", headers=A)
