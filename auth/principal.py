@@ -17,6 +17,7 @@ class Principal:
         key_id: public id of the key (``key_...``); key_prefix: its visible first characters (``sk-gw-AbCd``).
         limits: the tenant's limits; key_limits: the key's own limits (or None).
         filters: the tenant's opaque filter config (JSON value; interpreted by gateway.filters).
+        models: the model names (served names or aliases) the tenant may use; None: every model.
     """
 
     tenant_id: str
@@ -26,6 +27,11 @@ class Principal:
     limits: Limits
     key_limits: Limits | None = None
     filters: Any = field(default_factory=dict)
+    models: tuple[str, ...] | None = None
+
+    def allows_model(self, *names: str) -> bool:
+        """True when the tenant may use a model known by any of ``names`` (its served name and aliases)."""
+        return self.models is None or any(n in self.models for n in names)
 
     @property
     def settings(self) -> dict[str, Any]:
