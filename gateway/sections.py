@@ -6,7 +6,7 @@ Loading, precedence and the command line are in :mod:`gateway.settings`; this mo
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -76,6 +76,19 @@ class BackendSettings(Section):
             "tokens generated but not yet read by the client, per choice, before the request is stopped", ge=1
         ),
     ] = 256
+    routing: Annotated[
+        Literal["prefix", "least-loaded"],
+        _opt("how a request picks a backend: prefix (same prompt start, same backend) or least-loaded"),
+    ] = "prefix"
+    route_prefix_blocks: Annotated[
+        int, _opt("leading full KV blocks of the prompt that choose its backend (routing = prefix)", ge=1)
+    ] = 1
+    route_max_waiting: Annotated[
+        int,
+        _opt(
+            "requests the preferred backend may hold beyond the least-loaded one's before it is skipped", ge=0
+        ),
+    ] = 4
 
     def __post_init__(self) -> None:
         for url in self.backend_url:
