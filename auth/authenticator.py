@@ -36,6 +36,16 @@ MAX_CACHED = 100_000  # cached hits before the cache is emptied (bounded memory)
 MAX_MISSES = 10_000  # cached misses before they are emptied
 
 
+def allowed_models(tenant: list[str] | None, key: list[str] | None) -> tuple[str, ...] | None:
+    """The models a key may use: the tenant's (None: every model) narrowed to the key's list when it has one,
+    in the tenant's order; ``()`` when the two lists share no name."""
+    if key is None:
+        return None if tenant is None else tuple(tenant)
+    if tenant is None:
+        return tuple(key)
+    return tuple(m for m in tenant if m in key)
+
+
 class Authenticator:
     """Tenant keys and the admin key of one process.
 
@@ -139,7 +149,15 @@ class Authenticator:
                 "This API key's tenant is disabled.", code="tenant_disabled", headers=CHALLENGE
             )
         return Principal(
-            tenant.id, tenant.name, key.id, key.prefix, tenant.limits, key.limits, tenant.filters
+            tenant.id,
+            tenant.name,
+            key.id,
+            key.prefix,
+            tenant.limits,
+            key.limits,
+            tenant.filters,
+            allowed_models(tenant.models, key.models),
+            tenant.model_limits,
         )
 
     async def check_admin(self, headers: Headers, query_string: bytes = b"") -> None:

@@ -85,11 +85,11 @@ class UsageLedger:
             log.error("usage ledger closed; dropping a row for tenant %s", row.get("tenant_id"))
 
     async def tokens_on_day(
-        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str, model: str | None = None
     ) -> int:
-        """Tokens (prompt + completion) written for a tenant or a key on UTC ``day`` (``YYYY-MM-DD``). Raises
-        StoreUnavailable."""
-        return await self.store.tokens_on_day(tenant_id=tenant_id, key_id=key_id, day=day)
+        """Tokens (prompt + completion) written for a tenant or a key on UTC ``day`` (``YYYY-MM-DD``; ``model``:
+        only that model's rows). Raises StoreUnavailable."""
+        return await self.store.tokens_on_day(tenant_id=tenant_id, key_id=key_id, day=day, model=model)
 
     async def flush(self) -> None:
         """Write every row queued so far now (no ``flush_s`` wait) and, with rows spooled, try the store for

@@ -72,6 +72,13 @@ MIGRATIONS: list[str] = [
     CREATE UNIQUE INDEX usage_row_id ON usage(row_id);
     CREATE INDEX usage_ts ON usage(ts);
     """,
+    # 3: the models a tenant (and a key) may use, JSON list or NULL for every model; a tenant's limits per
+    # model, JSON object {served model name: limits}
+    """
+    ALTER TABLE tenants ADD COLUMN models TEXT;
+    ALTER TABLE tenants ADD COLUMN model_limits TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE api_keys ADD COLUMN models TEXT;
+    """,
 ]
 
 _PG_RULES = [

@@ -116,6 +116,19 @@ def migrate(db: Database, lock: str | None = None) -> int:
         return schema_version(tx)
 
 
+def _models(text: str | None) -> list[str] | None:
+    """A ``models`` column: a JSON list of names, or NULL (every model)."""
+    return None if text is None else list(json.loads(text))
+
+
+def _models_text(models: list[str] | None) -> str | None:
+    return None if models is None else json.dumps(list(models))
+
+
+def _model_limits_text(model_limits: dict[str, Limits] | None) -> str:
+    return json.dumps({m: lim.to_dict() for m, lim in (model_limits or {}).items()})
+
+
 def _tenant(r: Row) -> TenantRecord:
     return TenantRecord(
         r["id"],
@@ -125,6 +138,8 @@ def _tenant(r: Row) -> TenantRecord:
         Limits.from_dict(json.loads(r["limits"] or "{}")),
         json.loads(r["filters"] or "{}"),
         r["deleted_at"],
+        _models(r["models"]),
+        {m: Limits.from_dict(d) for m, d in json.loads(r["model_limits"] or "{}").items()},
     )
 
 
@@ -140,6 +155,7 @@ def _key(r: Row) -> KeyRecord:
         r["revoked_at"],
         Limits.from_dict(lim) if lim else None,
         r["hash"],
+        _models(r["models"]),
     )
 
 
@@ -178,15 +194,33 @@ class SqlStore:
         with self.db.transaction(write=False) as tx:
             return int(tx.rows("SELECT COUNT(*) AS n FROM tenants")[0]["n"])
 
-    def create_tenant(self, name: str, limits: Limits | None = None, filters: Any = None) -> TenantRecord:
-        """Raises ValueError if the name is taken."""
+    def create_tenant(
+        self,
+        name: str,
+        limits: Limits | None = None,
+        filters: Any = None,
+        *,
+        models: list[str] | None = None,
+        model_limits: dict[str, Limits] | None = None,
+    ) -> TenantRecord:
+        """A new tenant (``models`` None: every model; ``model_limits``: served name -> limits). Raises
+        ValueError if the name is taken."""
         tid = new_id("tn")
         lim = json.dumps((limits or Limits()).to_dict())
         try:
             with self.db.transaction(write=True) as tx:
                 tx.run(
-                    "INSERT INTO tenants(id, name, created_at, limits, filters) VALUES (?,?,?,?,?)",
-                    (tid, name, time.time(), lim, json.dumps(filters if filters is not None else {})),
+                    "INSERT INTO tenants(id, name, created_at, limits, filters, models, model_limits)"
+                    " VALUES (?,?,?,?,?,?,?)",
+                    (
+                        tid,
+                        name,
+                        time.time(),
+                        lim,
+                        json.dumps(filters if filters is not None else {}),
+                        _models_text(models),
+                        _model_limits_text(model_limits),
+                    ),
                 )
                 tx.announce(f"tenant:{tid}")
         except self.db.integrity_error:
@@ -215,8 +249,11 @@ class SqlStore:
         disabled: bool | None = None,
         limits: Limits | None = None,
         filters: Any = ...,
+        models: Any = ...,
+        model_limits: Any = ...,
     ) -> TenantRecord | None:
-        """Change the given fields (``filters=...``: unchanged). Raises ValueError if the new name is taken."""
+        """Change the given fields (``filters``, ``models`` (a list, or None: every model), ``model_limits`` (a
+        dict): ``...`` is unchanged). Raises ValueError if the new name is taken."""
         sets, args = [], []
         if name is not None:
             sets.append("name = ?")
@@ -230,6 +267,12 @@ class SqlStore:
         if filters is not ...:
             sets.append("filters = ?")
             args.append(json.dumps(filters))
+        if models is not ...:
+            sets.append("models = ?")
+            args.append(_models_text(models))
+        if model_limits is not ...:
+            sets.append("model_limits = ?")
+            args.append(_model_limits_text(model_limits))
         if sets:
             try:
                 with self.db.transaction(write=True) as tx:
@@ -265,14 +308,16 @@ class SqlStore:
         name: str | None = None,
         expires_at: float | None = None,
         limits: Limits | None = None,
+        models: list[str] | None = None,
     ) -> tuple[str, KeyRecord]:
-        """Returns ``(secret_key, record)``; the secret is not stored (only its SHA-256)."""
+        """Returns ``(secret_key, record)``; the secret is not stored (only its SHA-256). ``models`` None: the
+        tenant's models; a list: only those of the tenant's models in it."""
         key, prefix, digest = generate_key()
         kid = new_id("key")
         with self.db.transaction(write=True) as tx:
             tx.run(
-                "INSERT INTO api_keys(id, tenant_id, name, prefix, hash, created_at, expires_at, limits)"
-                " VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT INTO api_keys(id, tenant_id, name, prefix, hash, created_at, expires_at, limits, models)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
                 (
                     kid,
                     tenant_id,
@@ -282,6 +327,7 @@ class SqlStore:
                     time.time(),
                     expires_at,
                     json.dumps(limits.to_dict()) if limits else None,
+                    _models_text(models),
                 ),
             )
             tx.announce(f"key:{kid}")  # a miss another gateway cached for this digest
@@ -300,9 +346,10 @@ class SqlStore:
         return [_key(r) for r in rows]
 
     def update_key(
-        self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ...
+        self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ..., models: Any = ...
     ) -> KeyRecord | None:
-        """Change a key's name, expiry (UNIX s or None) or own limits (Limits or None); ``...`` = unchanged."""
+        """Change a key's name, expiry (UNIX s or None), own limits (Limits or None) or models (a list, or None:
+        the tenant's); ``...`` = unchanged."""
         sets, args = [], []
         if name is not ...:
             sets.append("name = ?")
@@ -313,6 +360,9 @@ class SqlStore:
         if limits is not ...:
             sets.append("limits = ?")
             args.append(json.dumps(limits.to_dict()) if limits else None)
+        if models is not ...:
+            sets.append("models = ?")
+            args.append(_models_text(models))
         if sets:
             with self.db.transaction(write=True) as tx:
                 tx.run(f"UPDATE api_keys SET {', '.join(sets)} WHERE id = ?", (*args, key_id))
@@ -363,14 +413,17 @@ class SqlStore:
         with self.db.transaction(write=True) as tx:
             return tx.many(sql, values)
 
-    def tokens_on_day(self, *, tenant_id: str | None = None, key_id: str | None = None, day: str) -> int:
-        """Total tokens (prompt + completion) billed on ``day`` to a tenant or a key."""
+    def tokens_on_day(
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str, model: str | None = None
+    ) -> int:
+        """Total tokens (prompt + completion) billed on ``day`` to a tenant or a key (``model``: only for that
+        model)."""
         col, val = ("tenant_id", tenant_id) if tenant_id is not None else ("key_id", key_id)
+        where, args = f"{col} = ? AND day = ?", [val, day]
+        if model is not None:
+            where, args = where + " AND model = ?", [*args, model]
         with self.db.transaction(write=False) as tx:
-            r = tx.rows(
-                f"SELECT COALESCE(SUM(total_tokens), 0) AS n FROM usage WHERE {col} = ? AND day = ?",
-                (val, day),
-            )
+            r = tx.rows(f"SELECT COALESCE(SUM(total_tokens), 0) AS n FROM usage WHERE {where}", args)
         return int(r[0]["n"])
 
     def usage_summary(self, tenant_id: str, since: float | None, until: float | None) -> dict[str, Any]:
@@ -504,9 +557,17 @@ class ThreadedStore:
         return await self._run(self._s.count_tenants)
 
     async def create_tenant(
-        self, name: str, limits: Limits | None = None, filters: Any = None
+        self,
+        name: str,
+        limits: Limits | None = None,
+        filters: Any = None,
+        *,
+        models: list[str] | None = None,
+        model_limits: dict[str, Limits] | None = None,
     ) -> TenantRecord:
-        return await self._run(self._s.create_tenant, name, limits, filters)
+        return await self._run(
+            self._s.create_tenant, name, limits, filters, models=models, model_limits=model_limits
+        )
 
     async def get_tenant(self, id_or_name: str, *, include_deleted: bool = False) -> TenantRecord | None:
         return await self._run(self._s.get_tenant, id_or_name, include_deleted=include_deleted)
@@ -522,9 +583,18 @@ class ThreadedStore:
         disabled: bool | None = None,
         limits: Limits | None = None,
         filters: Any = ...,
+        models: Any = ...,
+        model_limits: Any = ...,
     ) -> TenantRecord | None:
         return await self._run(
-            self._s.update_tenant, tid, name=name, disabled=disabled, limits=limits, filters=filters
+            self._s.update_tenant,
+            tid,
+            name=name,
+            disabled=disabled,
+            limits=limits,
+            filters=filters,
+            models=models,
+            model_limits=model_limits,
         )
 
     async def delete_tenant(self, tid: str) -> bool:
@@ -537,8 +607,11 @@ class ThreadedStore:
         name: str | None = None,
         expires_at: float | None = None,
         limits: Limits | None = None,
+        models: list[str] | None = None,
     ) -> tuple[str, KeyRecord]:
-        return await self._run(self._s.create_key, tenant_id, name=name, expires_at=expires_at, limits=limits)
+        return await self._run(
+            self._s.create_key, tenant_id, name=name, expires_at=expires_at, limits=limits, models=models
+        )
 
     async def get_key(self, key_id: str) -> KeyRecord | None:
         return await self._run(self._s.get_key, key_id)
@@ -547,9 +620,11 @@ class ThreadedStore:
         return await self._run(self._s.list_keys, tenant_id)
 
     async def update_key(
-        self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ...
+        self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ..., models: Any = ...
     ) -> KeyRecord | None:
-        return await self._run(self._s.update_key, key_id, name=name, expires_at=expires_at, limits=limits)
+        return await self._run(
+            self._s.update_key, key_id, name=name, expires_at=expires_at, limits=limits, models=models
+        )
 
     async def revoke_key(self, key_id: str) -> KeyRecord | None:
         return await self._run(self._s.revoke_key, key_id)
@@ -561,9 +636,11 @@ class ThreadedStore:
         return await self._run(self._s.insert_usage, rows)
 
     async def tokens_on_day(
-        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str, model: str | None = None
     ) -> int:
-        return await self._run(self._s.tokens_on_day, tenant_id=tenant_id, key_id=key_id, day=day)
+        return await self._run(
+            self._s.tokens_on_day, tenant_id=tenant_id, key_id=key_id, day=day, model=model
+        )
 
     async def usage_summary(self, tenant_id: str, since: float | None, until: float | None) -> dict[str, Any]:
         return await self._run(self._s.usage_summary, tenant_id, since, until)

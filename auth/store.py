@@ -53,9 +53,16 @@ class TenantStore(Protocol):
     async def count_tenants(self) -> int: ...
 
     async def create_tenant(
-        self, name: str, limits: Limits | None = None, filters: Any = None
+        self,
+        name: str,
+        limits: Limits | None = None,
+        filters: Any = None,
+        *,
+        models: list[str] | None = None,
+        model_limits: dict[str, Limits] | None = None,
     ) -> TenantRecord:
-        """Raises ValueError if the name is taken."""
+        """``models`` None: every model; ``model_limits``: served model name -> limits. Raises ValueError if
+        the name is taken."""
         ...
 
     async def get_tenant(self, id_or_name: str, *, include_deleted: bool = False) -> TenantRecord | None: ...
@@ -70,8 +77,11 @@ class TenantStore(Protocol):
         disabled: bool | None = None,
         limits: Limits | None = None,
         filters: Any = ...,
+        models: Any = ...,
+        model_limits: Any = ...,
     ) -> TenantRecord | None:
-        """Raises ValueError if the new name is taken."""
+        """The given fields change (``...``: unchanged; ``models=None``: every model). Raises ValueError if the
+        new name is taken."""
         ...
 
     async def delete_tenant(self, tid: str) -> bool:
@@ -85,8 +95,9 @@ class TenantStore(Protocol):
         name: str | None = None,
         expires_at: float | None = None,
         limits: Limits | None = None,
+        models: list[str] | None = None,
     ) -> tuple[str, KeyRecord]:
-        """``(secret_key, record)``; only the secret's SHA-256 is stored."""
+        """``(secret_key, record)``; only the secret's SHA-256 is stored. ``models``: None, the tenant's."""
         ...
 
     async def get_key(self, key_id: str) -> KeyRecord | None: ...
@@ -94,7 +105,7 @@ class TenantStore(Protocol):
     async def list_keys(self, tenant_id: str) -> list[KeyRecord]: ...
 
     async def update_key(
-        self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ...
+        self, key_id: str, *, name: Any = ..., expires_at: Any = ..., limits: Any = ..., models: Any = ...
     ) -> KeyRecord | None: ...
 
     async def revoke_key(self, key_id: str) -> KeyRecord | None: ...
@@ -109,8 +120,10 @@ class TenantStore(Protocol):
         ...
 
     async def tokens_on_day(
-        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
-    ) -> int: ...
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str, model: str | None = None
+    ) -> int:
+        """Tokens billed on UTC ``day`` to a tenant or a key (``model``: only that model's requests)."""
+        ...
 
     async def usage_summary(
         self, tenant_id: str, since: float | None, until: float | None

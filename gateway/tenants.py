@@ -223,7 +223,8 @@ class Tenants:
     ) -> AsyncIterator[Reservation]:
         """``Admission.admit`` (see :mod:`ratelimit.admission`) raising :class:`~gateway.errors.RateLimited`
         (429) or :class:`~gateway.errors.ServiceUnavailable` (503: Redis, or the store for a daily quota's
-        seed) on entry."""
+        seed) on entry. ``model`` is the served name the request resolved to (canonical, not an alias): the
+        tenant's ``model_limits`` for it are taken besides its own and its key's limits, and it is billed."""
         try:
             async with self.admission.admit(
                 principal,
@@ -236,16 +237,18 @@ class Tenants:
         except (AdmissionError, StoreUnavailable) as e:
             raise api_error(e) from None
 
-    async def clear_leases(self, tenant_id: str) -> tuple[int, int]:
-        """Free the concurrency slots of tenant ``tenant_id`` and of its keys, in every gateway sharing the
-        limiter: (slots of the tenant scope, slots of its keys). Raises
+    async def clear_leases(self, tenant_id: str, models: list[str] | None = None) -> tuple[int, int, int]:
+        """Free the concurrency slots of tenant ``tenant_id``, of its keys and of its limits for the served
+        names ``models`` (the tenant's ``model_limits``), in every gateway sharing the limiter: (slots of the
+        tenant scope, slots of its keys, slots of its model scopes). Raises
         :class:`~gateway.errors.ServiceUnavailable` (503, Redis or the store did not answer)."""
         try:
             keys = await self.store.list_keys(tenant_id)
-            return await self.admission.clear_leases(tenant_id, [k.id for k in keys])
+            return await self.admission.clear_leases(tenant_id, [k.id for k in keys], models or [])
         except (AdmissionError, StoreUnavailable) as e:
             raise api_error(e) from None
 
-    async def peek_headers(self, principal: Principal) -> dict[str, str]:
-        """Current ``x-ratelimit-*`` headers of ``principal`` without reserving anything."""
-        return await self.admission.peek_headers(principal)
+    async def peek_headers(self, principal: Principal, model: str | None = None) -> dict[str, str]:
+        """Current ``x-ratelimit-*`` headers of ``principal`` (with its limits for served name ``model``)
+        without reserving anything."""
+        return await self.admission.peek_headers(principal, model)

@@ -1,8 +1,9 @@
 """Admission: check and reserve every limit of a request at once, true it up at the end, bill the ledger.
 
 A request reserves one request (rpm), ``prompt_tokens + max_tokens`` tokens (tpm and the daily quota, as OpenAI
-counts TPM) and one concurrency slot, for its tenant and, when the key has limits of its own, for its key: all
-or nothing (docs/tenancy.md "Limits and the algorithm")::
+counts TPM) and one concurrency slot, for its tenant, when the key has limits of its own for its key, and when
+the tenant has limits for the request's model (``model_limits[model]``) for that tenant and model: all or
+nothing (docs/tenancy.md "Limits and the algorithm")::
 
     async with admission.admit(principal, prompt_tokens=n, max_tokens=m, model=name, request_id=rid) as res:
         headers = res.headers              # x-ratelimit-* for the response
@@ -30,7 +31,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Protocol
@@ -58,8 +59,15 @@ class UsageBook(Protocol):
     def record(self, row: dict[str, object]) -> None: ...
 
     async def tokens_on_day(
-        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str
-    ) -> int: ...
+        self, *, tenant_id: str | None = None, key_id: str | None = None, day: str, model: str | None = None
+    ) -> int:
+        """Tokens billed on ``day``; ``model`` is passed only for a model's own daily limit."""
+        ...
+
+
+def model_scope(tenant_id: str, model: str) -> str:
+    """The state-key prefix of a tenant's limits for served model ``model``."""
+    return f"t:{tenant_id}:m:{model}"
 
 
 def unavailable() -> LimiterUnavailable:
@@ -140,8 +148,9 @@ class Admission:
             self._day_text = datetime.fromtimestamp(start, UTC).strftime("%Y-%m-%d")
         return self._day_text, max(0.001, start + DAY_S - now)
 
-    def dims(self, subject: Subject, tokens: int, now: float) -> list[Dim]:
-        """The dimensions a request of ``tokens`` reserved tokens takes: the tenant's, then the key's."""
+    def dims(self, subject: Subject, tokens: int, now: float, model: str | None = None) -> list[Dim]:
+        """The dimensions a request of ``tokens`` reserved tokens takes: the tenant's, then the key's, then the
+        tenant's for ``model`` (state keys ``t:<tenant>:m:<model>:...``, labelled ``model M of tenant T``)."""
         day, ttl = self.day(now)
         dims = build_dims(
             subject.limits,
@@ -150,6 +159,7 @@ class Admission:
             tokens=tokens,
             day=day,
             day_ttl_s=ttl,
+            ledger={"tenant_id": subject.tenant_id},
         )
         if subject.key_limits is not None:
             dims += build_dims(
@@ -159,6 +169,18 @@ class Admission:
                 tokens=tokens,
                 day=day,
                 day_ttl_s=ttl,
+                ledger={"key_id": subject.key_id},
+            )
+        per_model = subject.model_limits.get(model) if model is not None else None
+        if per_model is not None:
+            dims += build_dims(
+                per_model,
+                model_scope(subject.tenant_id, model),
+                f"model {model} of tenant {subject.tenant_name}",
+                tokens=tokens,
+                day=day,
+                day_ttl_s=ttl,
+                ledger={"tenant_id": subject.tenant_id, "model": model},
             )
         return dims
 
@@ -175,11 +197,7 @@ class Admission:
                 continue
             seed = self._seeds.get(d.key)
             if seed is None:
-                scope, ident = d.key.split(":")[:2]  # "t:<tenant id>:day:<day>" or "k:<key id>:day:<day>"
-                if scope == "t":
-                    seed = await self.ledger.tokens_on_day(tenant_id=ident, day=day)
-                else:
-                    seed = await self.ledger.tokens_on_day(key_id=ident, day=day)
+                seed = await self.ledger.tokens_on_day(day=day, **d.ledger)
                 self._seeds[d.key] = seed
             d.seed = seed
 
@@ -242,7 +260,8 @@ class Admission:
         request_id: str | None = None,
     ) -> Reservation:
         """Check and reserve all limits at once. Prefer :meth:`admit`; a reservation from here must be
-        settled with ``await admission.close(res, exc)``.
+        settled with ``await admission.close(res, exc)``. ``model`` is the served name the request resolved to
+        (canonical, not an alias): it selects ``subject.model_limits[model]`` and is billed in the ledger.
 
         Raises:
             ValueError: a negative token count.
@@ -252,7 +271,7 @@ class Admission:
         if prompt_tokens < 0 or max_tokens < 0:
             raise ValueError("token counts must be >= 0")
         now = time.time()
-        dims = self.dims(subject, prompt_tokens + max_tokens, now)
+        dims = self.dims(subject, prompt_tokens + max_tokens, now, model)
         # unique even when clients reuse a request id (a concurrency slot is one member of a set)
         member = f"{request_id or 'r'}.{secrets.token_hex(8)}"
         results: list[DimResult] = []
@@ -315,8 +334,9 @@ class Admission:
         model: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[Reservation]:
-        """``async with admission.admit(p, prompt_tokens=.., max_tokens=..) as res:`` (see the module doc).
-        Raises on entry what :meth:`reserve` raises; on exit settles the reservation (:meth:`close`)."""
+        """``async with admission.admit(p, prompt_tokens=.., max_tokens=.., model=..) as res:`` (see the module
+        doc; ``model``: the resolved served name, canonical, not an alias). Raises on entry what :meth:`reserve`
+        raises; on exit settles the reservation (:meth:`close`)."""
         res = await self.reserve(
             subject, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=request_id
         )
@@ -327,11 +347,11 @@ class Admission:
             raise
         await self.close(res)
 
-    async def peek_headers(self, subject: Subject) -> dict[str, str]:
-        """Current ``x-ratelimit-*`` headers of ``subject`` without reserving anything. Best effort: ``{}``
-        when Redis does not answer within ``PEEK_TIMEOUT_S`` or failed less than ``STORE_BACKOFF_S`` ago (a
-        response never waits on a store that is down)."""
-        dims = [d for d in self.dims(subject, 0, time.time()) if d.kind == "bucket"]
+    async def peek_headers(self, subject: Subject, model: str | None = None) -> dict[str, str]:
+        """Current ``x-ratelimit-*`` headers of ``subject`` (and its limits for served name ``model``) without
+        reserving anything. Best effort: ``{}`` when Redis does not answer within ``PEEK_TIMEOUT_S`` or failed
+        less than ``STORE_BACKOFF_S`` ago (a response never waits on a store that is down)."""
+        dims = [d for d in self.dims(subject, 0, time.time(), model) if d.kind == "bucket"]
         if not dims:
             return {}
         if isinstance(self.limiter, LocalLimiter):
@@ -349,15 +369,22 @@ class Admission:
             self._store_failed_at = trio.current_time()
             return {}
 
-    async def clear_leases(self, tenant_id: str, key_ids: list[str]) -> tuple[int, int]:
-        """Free every concurrency slot of tenant ``tenant_id`` and of its keys ``key_ids`` (with Redis: in
-        every process sharing the store). Returns (slots the tenant scope held, slots its keys held). The
-        requests that held them run on, no longer counted.
+    async def clear_leases(
+        self, tenant_id: str, key_ids: list[str], models: Sequence[str] = ()
+    ) -> tuple[int, int, int]:
+        """Free every concurrency slot of tenant ``tenant_id``, of its keys ``key_ids`` and of its limits for
+        the served names ``models`` (with Redis: in every process sharing the store). Returns (slots the tenant
+        scope held, slots its keys held, slots its model scopes held). The requests that held them run on, no
+        longer counted.
 
         Raises:
             LimiterUnavailable: 503, Redis did not answer within ``store_timeout_s``.
         """
-        keys = [f"t:{tenant_id}:conc", *(f"k:{k}:conc" for k in key_ids)]
+        keys = [
+            f"t:{tenant_id}:conc",
+            *(f"{model_scope(tenant_id, m)}:conc" for m in models),
+            *(f"k:{k}:conc" for k in key_ids),
+        ]
         if isinstance(self.limiter, LocalLimiter):
             counts = self.limiter.clear_now(keys)
         else:
@@ -368,7 +395,8 @@ class Admission:
                 log.error("admission: rate-limit store unavailable: %s", _why(e, self.store_timeout_s))
                 self._store_failed_at = trio.current_time()
                 raise unavailable() from None
-        return counts[0], sum(counts[1:])
+        n = 1 + len(models)
+        return counts[0], sum(counts[n:]), sum(counts[1:n])
 
     def _bill(self, res: Reservation) -> None:
         s, now = res.subject, time.time()

@@ -102,9 +102,12 @@ class Dim:
     limit: int
     cost: int
     window_s: float = DEFAULT_WINDOW_S
-    scope: str = ""  # human label: "tenant" / "key"
+    scope: str = ""  # human label: "tenant acme" / "key sk-gw-AbCd..." / "model m of tenant acme"
     seed: int = 0  # daily: initial value if the counter does not exist yet (from the usage ledger)
     ttl_s: float = 0.0  # daily: seconds until the day key may expire
+    # daily: the usage-ledger rows whose tokens of the day are the seed (``tenant_id`` or ``key_id``, and
+    # ``model`` for a model's own limits), as keyword arguments of ``tokens_on_day``
+    ledger: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,8 +142,10 @@ def build_dims(
     day_ttl_s: float,
     daily_seed: int = 0,
     concurrent: bool = True,
+    ledger: dict[str, str] | None = None,
 ) -> list[Dim]:
-    """The dimensions of ``limits`` for a request of ``tokens`` reserved tokens."""
+    """The dimensions of ``limits`` for a request of ``tokens`` reserved tokens; ``ledger`` names the usage
+    rows that seed the daily dimension (see :class:`Dim`)."""
     dims: list[Dim] = []
     if limits.rpm is not None:
         dims.append(
@@ -166,6 +171,7 @@ def build_dims(
                 scope_label,
                 seed=daily_seed,
                 ttl_s=day_ttl_s,
+                ledger=dict(ledger or {}),
             )
         )
     return dims

@@ -8,6 +8,7 @@ Units: tokens, UNIX seconds (``started_at``), seconds (``timings``).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,7 +16,8 @@ from .core import Dim, Limits
 
 
 class Subject(Protocol):
-    """Who is admitted: a tenant and the key it called with (``auth.principal.Principal`` is one)."""
+    """Who is admitted: a tenant and the key it called with (``auth.principal.Principal`` is one);
+    ``model_limits``: served model name -> the tenant's limits for that model."""
 
     @property
     def tenant_id(self) -> str: ...
@@ -29,6 +31,8 @@ class Subject(Protocol):
     def limits(self) -> Limits: ...
     @property
     def key_limits(self) -> Limits | None: ...
+    @property
+    def model_limits(self) -> Mapping[str, Limits]: ...
 
 
 @dataclass(eq=False)

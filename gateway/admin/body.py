@@ -4,7 +4,11 @@ JSON is parsed with Python's :mod:`json`, which also reads the non-standard ``Na
 the field checks (e.g. ``expires_at`` must be finite) and get a 400 naming the field rather than ``invalid_json``.
 Errors (all OpenAI-shaped, ``gateway.errors``): 413 ``request_too_large`` over :data:`MAX_BODY` bytes; 400
 ``invalid_json``; 400 ``missing_required_parameter``, ``invalid_type``, ``invalid_value`` or
-``unknown_parameter`` with ``param`` naming the field (``limits.rpm`` for a nested one).
+``unknown_parameter`` with ``param`` naming the field (``limits.rpm`` for a nested one, ``models[1]`` for an
+item, ``model_limits.<model>.rpm`` inside an entry of a map, ``model_limits`` for a bad model name as a key).
+
+Then the limits a body sets (:func:`merged`, :func:`replaced`, :func:`model_limits`) and the models it lists
+(:func:`model_list`) as the store keeps them.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import Request
 
+from gateway.admin.schemas import LimitsPatch, LimitsPut
 from gateway.errors import InvalidRequest
 from gateway.request_body import read_body
+from ratelimit.core import DEFAULT_WINDOW_S, LIMIT_FIELDS, Limits
 
 MAX_BODY = 256 * 1024  # bytes
 T = TypeVar("T")
@@ -25,11 +31,20 @@ T = TypeVar("T")
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 _UNKNOWN = re.compile(r"contains unknown field `([^`]*)`")
+_KEY = re.compile(r" - at `key` in `\$\.?([^`]*)`$")
+# map members whose entries are typed: an error inside one is located again entry by entry to name the entry
+MAPS: dict[str, type] = {"model_limits": LimitsPatch}
 
 
 def invalid_body(exc: msgspec.ValidationError) -> InvalidRequest:
     """The 400 for a body that does not fit its type, ``param`` naming the field (dotted when nested)."""
     text = str(exc)
+    key = _KEY.search(text)
+    if key:
+        what = text[: key.start()]
+        return InvalidRequest(
+            f"Invalid key in '{key.group(1)}': {what}.", param=key.group(1), code="invalid_value"
+        )
     at = _AT.search(text)
     path = at.group(1).replace("[...]", "") if at else ""
     what = text[: at.start()] if at else text
@@ -67,4 +82,47 @@ async def read_struct(request: Request, typ: type[T], *, required: bool = True) 
     try:
         return msgspec.convert(value, typ)
     except msgspec.ValidationError as exc:
-        raise invalid_body(exc) from None
+        raise (entry_error(value, exc) or invalid_body(exc)) from None
+
+
+def entry_error(value: dict[str, object], exc: msgspec.ValidationError) -> InvalidRequest | None:
+    """For an error inside an entry of a :data:`MAPS` member (msgspec says ``$.model_limits[...]``): the 400
+    whose ``param`` names the entry (``model_limits.<name>.rpm``); None for any other error."""
+    at = _AT.search(str(exc))
+    member = at.group(1).split("[...]")[0] if at and "[...]" in at.group(1) else None
+    entries = value.get(member) if member in MAPS else None
+    if not isinstance(entries, dict):
+        return None
+    for name, entry in entries.items():
+        try:
+            msgspec.convert(entry, MAPS[member])
+        except msgspec.ValidationError as inner:
+            e = invalid_body(inner)
+            param = f"{member}.{name}" + (f".{e.param}" if e.param else "")
+            message = e.message.replace(f"'{e.param}'", f"'{param}'") if e.param else e.message
+            return InvalidRequest(message, param=param, code=e.code)
+    return None
+
+
+def merged(given: LimitsPut | LimitsPatch, base: Limits) -> Limits:
+    """``base`` with the fields ``given`` sets replaced."""
+    values = {f: getattr(given, f) for f in (*LIMIT_FIELDS, "window_s")}
+    return Limits(**{f: getattr(base, f) if v is msgspec.UNSET else v for f, v in values.items()})
+
+
+def replaced(given: LimitsPatch, window_s: float = DEFAULT_WINDOW_S) -> Limits:
+    """The limits a ``limits`` member sets: absent fields unlimited, ``window_s`` absent: ``window_s``."""
+    return merged(given, Limits(window_s=window_s))
+
+
+def model_limits(given: dict[str, LimitsPatch] | None, base: dict[str, Limits]) -> dict[str, Limits]:
+    """The ``model_limits`` a body sets (the whole map; ``null``: ``{}``): per model, absent fields unlimited,
+    ``window_s`` absent: that model's current window in ``base`` (60 s for a model new to the map)."""
+    return {
+        m: replaced(p, base[m].window_s if m in base else DEFAULT_WINDOW_S) for m, p in (given or {}).items()
+    }
+
+
+def model_list(given: list[str] | None) -> list[str] | None:
+    """``models`` as stored: each name once, in its first place; None stays None (every model)."""
+    return None if given is None else list(dict.fromkeys(given))

@@ -33,7 +33,7 @@ from starlette.routing import BaseRoute, Route
 
 from auth.errors import StoreUnavailable
 from auth.records import KeyRecord, TenantRecord
-from gateway.admin.body import read_json, read_struct
+from gateway.admin.body import merged, model_limits, model_list, read_json, read_struct, replaced
 from gateway.admin.schemas import (
     ApiKey,
     ApiKeyCreated,
@@ -58,18 +58,19 @@ from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.filters import parse_config
 from gateway.observability.record import get_record
 from gateway.tenants import Tenants
-from ratelimit.core import DEFAULT_WINDOW_S, LIMIT_FIELDS, Limits
+from ratelimit.core import Limits
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-class LeasesCleared(msgspec.Struct, kw_only=True):
+class LeasesCleared(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``DELETE /admin/v1/tenants/{id}/leases``: the concurrency slots freed, in every gateway sharing the
-    limiter; the requests that held them run on uncounted."""
+    limiter; the requests that held them run on uncounted (``model_leases_cleared``: only when not 0)."""
 
     tenant_id: str
     cleared: Annotated[int, msgspec.Meta(ge=0, description="slots the tenant scope held")]
     key_leases_cleared: Annotated[int, msgspec.Meta(ge=0, description="slots its keys' own limits held")]
+    model_leases_cleared: Annotated[int, msgspec.Meta(ge=0, description="slots its model_limits held")] = 0
 
 
 class Conflict(APIError):
@@ -105,6 +106,8 @@ def tenant_object(t: TenantRecord) -> Tenant:
         created_at=t.created_at,
         limits=limits_object(t.limits),
         filters=t.filters,
+        models=t.models,
+        model_limits={m: limits_object(lim) for m, lim in t.model_limits.items()},
     )
 
 
@@ -118,18 +121,8 @@ def key_fields(k: KeyRecord) -> dict[str, object]:
         "expires_at": k.expires_at,
         "revoked_at": k.revoked_at,
         "limits": limits_object(k.limits) if k.limits else None,
+        "models": k.models,
     }
-
-
-def merged(given: LimitsPut | LimitsPatch, base: Limits) -> Limits:
-    """``base`` with the fields ``given`` sets replaced."""
-    values = {f: getattr(given, f) for f in (*LIMIT_FIELDS, "window_s")}
-    return Limits(**{f: getattr(base, f) if v is msgspec.UNSET else v for f, v in values.items()})
-
-
-def replaced(given: LimitsPatch, window_s: float = DEFAULT_WINDOW_S) -> Limits:
-    """The limits a ``limits`` member sets: absent fields unlimited, ``window_s`` absent: ``window_s``."""
-    return merged(given, Limits(window_s=window_s))
 
 
 def checked_filters(config: object) -> object:
@@ -200,8 +193,11 @@ class AdminAPI:
             raise InvalidRequest("name must not be blank", param="name", code="invalid_value")
         limits = replaced(body.limits) if body.limits is not None else Limits()
         filters = checked_filters(body.filters)
+        by_model = model_limits(body.model_limits, {})
         try:
-            t = await self.store.create_tenant(body.name.strip(), limits, filters)
+            t = await self.store.create_tenant(
+                body.name.strip(), limits, filters, models=model_list(body.models), model_limits=by_model
+            )
         except ValueError as e:
             raise Conflict(str(e), param="name", code="tenant_exists") from None
         if body.disabled:
@@ -230,6 +226,10 @@ class AdminAPI:
             kw["limits"] = replaced(body.limits, t.limits.window_s) if body.limits is not None else Limits()
         if body.filters is not msgspec.UNSET:
             kw["filters"] = checked_filters(body.filters)
+        if body.models is not msgspec.UNSET:
+            kw["models"] = model_list(body.models)
+        if body.model_limits is not msgspec.UNSET:
+            kw["model_limits"] = model_limits(body.model_limits, t.model_limits)
         return reply(tenant_object(await self.changed_tenant(t.id, **kw)))
 
     async def delete_tenant(self, request: Request) -> Response:
@@ -243,7 +243,11 @@ class AdminAPI:
         body = await read_struct(request, KeyCreate, required=False)
         limits = replaced(body.limits) if body.limits is not None else None
         key, rec = await self.store.create_key(
-            t.id, name=body.name, expires_at=expiry(body.expires_at), limits=limits
+            t.id,
+            name=body.name,
+            expires_at=expiry(body.expires_at),
+            limits=limits,
+            models=model_list(body.models),
         )
         return reply(ApiKeyCreated(**key_fields(rec), key=key), 201, {"cache-control": "no-store"})
 
@@ -277,6 +281,8 @@ class AdminAPI:
             kw["expires_at"] = expiry(body.expires_at)
         if body.limits is not msgspec.UNSET:
             kw["limits"] = replaced(body.limits) if body.limits is not None else None
+        if body.models is not msgspec.UNSET:
+            kw["models"] = model_list(body.models)
         rec = await self.store.update_key(kid, **kw)
         self.tenants.invalidate()
         return reply(ApiKey(**key_fields(rec)))
@@ -310,8 +316,10 @@ class AdminAPI:
         """Free the tenant's concurrency slots (a gateway that died holding them: they would lapse within the
         lease time anyway)."""
         t = await self.tenant_or_404(request)
-        cleared, key_cleared = await self.tenants.clear_leases(t.id)
-        return reply(LeasesCleared(tenant_id=t.id, cleared=cleared, key_leases_cleared=key_cleared))
+        n, keys, models = await self.tenants.clear_leases(t.id, list(t.model_limits))
+        return reply(
+            LeasesCleared(tenant_id=t.id, cleared=n, key_leases_cleared=keys, model_leases_cleared=models)
+        )
 
     async def spend(self, request: Request) -> Response:
         return reply(await spend(self.tenants, request.query_params))

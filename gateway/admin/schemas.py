@@ -11,6 +11,12 @@ Limits come in three shapes:
   limits and an absent field is unlimited (``window_s`` absent: the current window, 60 s for a new tenant/key).
 * :class:`LimitsObject`: what the API answers.
 
+Models: ``models`` (a tenant's, a key's) lists the model names it may use, ``null`` for every model (a key's
+list narrows its tenant's); ``model_limits`` maps a served model name to the limits (a :class:`LimitsPatch`
+object, absent fields unlimited) that requests to that model take besides the tenant's. Names are not checked
+against the models served now (a model may be added later); a name is 1-256 characters without leading or
+trailing white space.
+
 Units: tokens, requests, seconds; times are UNIX seconds (UTC).
 """
 
@@ -26,6 +32,13 @@ Name = Annotated[str, Meta(min_length=1, max_length=128)]
 KeyName = Annotated[str, Meta(max_length=128)]
 JSONValue = Annotated[object, Meta(extra_json_schema={"description": "any JSON value"})]
 Filters = Annotated[object, Meta(extra_json_schema={"description": "filter config (docs/filters.md)"})]
+ModelName = Annotated[
+    str, Meta(min_length=1, max_length=256, pattern=r"^\S(.*\S)?$", description="a model name")
+]
+ModelList = Annotated[
+    list[ModelName],
+    Meta(max_length=1024, description="the model names (served names or aliases) allowed; null: every model"),
+]
 Expiry = Annotated[
     float | str | None,
     Meta(description="UNIX seconds or an ISO-8601 time, in the future; null: never expires"),
@@ -62,6 +75,12 @@ class LimitsObject(Struct, kw_only=True):
     window_s: float
 
 
+ModelLimits = Annotated[
+    dict[ModelName, LimitsPatch],
+    Meta(description="served model name -> limits taken besides the tenant's for requests to that model"),
+]
+
+
 class TenantCreate(Struct, forbid_unknown_fields=True, kw_only=True):
     """``POST /admin/v1/tenants``."""
 
@@ -69,6 +88,8 @@ class TenantCreate(Struct, forbid_unknown_fields=True, kw_only=True):
     limits: LimitsPatch | None = None
     filters: Filters = {}
     disabled: bool = False
+    models: ModelList | None = None
+    model_limits: ModelLimits = {}
 
 
 class TenantPatch(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -78,6 +99,10 @@ class TenantPatch(Struct, forbid_unknown_fields=True, kw_only=True):
     disabled: bool | UnsetType = UNSET
     limits: LimitsPatch | None | UnsetType = UNSET
     filters: Filters | UnsetType = UNSET
+    models: ModelList | None | UnsetType = UNSET
+    model_limits: (
+        Annotated[ModelLimits | None, Meta(description="replaces the map; null: {}")] | UnsetType
+    ) = UNSET
 
 
 class KeyCreate(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -86,6 +111,9 @@ class KeyCreate(Struct, forbid_unknown_fields=True, kw_only=True):
     name: KeyName | None = None
     expires_at: Expiry = None
     limits: Annotated[LimitsPatch | None, Meta(description="the key's own limits; null: none")] = None
+    models: Annotated[
+        ModelList | None, Meta(description="narrows the tenant's models; null: the tenant's")
+    ] = None
 
 
 class KeyPatch(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -94,6 +122,7 @@ class KeyPatch(Struct, forbid_unknown_fields=True, kw_only=True):
     name: KeyName | None | UnsetType = UNSET
     expires_at: Expiry | UnsetType = UNSET
     limits: LimitsPatch | None | UnsetType = UNSET
+    models: ModelList | None | UnsetType = UNSET
 
 
 class Tenant(Struct, kw_only=True):
@@ -104,6 +133,8 @@ class Tenant(Struct, kw_only=True):
     created_at: float
     limits: LimitsObject
     filters: Filters
+    models: list[str] | None
+    model_limits: dict[str, LimitsObject]
 
 
 class TenantList(Struct, kw_only=True):
@@ -129,6 +160,7 @@ class ApiKey(Struct, kw_only=True):
     expires_at: float | None
     revoked_at: float | None
     limits: LimitsObject | None
+    models: list[str] | None
 
 
 class ApiKeyCreated(ApiKey, kw_only=True):

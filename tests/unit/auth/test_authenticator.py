@@ -189,3 +189,26 @@ def test_migrations_are_ordered_and_idempotent(tmp_path):
     con.commit()
     con.close()
     assert SqliteDatabase(str(tmp_path / "old.db")).schema_version() == len(MIGRATIONS)
+
+
+async def test_principal_carries_models_and_model_limits(store):
+    """The principal's models are the tenant's narrowed by the key's own list (each None: no narrowing), and
+    a change to them applies at the next request once the cache is invalidated."""
+    auth = Authenticator(store, admin_key=ADMIN)
+    t = await store.create_tenant("m", models=["a", "b", "c"], model_limits={"a": Limits(rpm=1)})
+    every, _ = await store.create_key(t.id)
+    narrowed, k = await store.create_key(t.id, models=["c", "a", "z"])
+    p = await auth.authenticate(creds(every))
+    assert p.models == ("a", "b", "c") and p.model_limits == {"a": Limits(rpm=1)}
+    assert p.allows_model("b") and not p.allows_model("z")
+    p = await auth.authenticate(creds(narrowed))
+    assert p.models == ("a", "c") and not p.allows_model("b") and not p.allows_model("z")
+    await store.update_tenant(t.id, models=None, model_limits={})
+    auth.invalidate()
+    p = await auth.authenticate(creds(narrowed))
+    assert p.models == ("c", "a", "z") and p.model_limits == {}
+    await store.update_key(k.id, models=["q"])
+    await store.update_tenant(t.id, models=["a"])
+    auth.invalidate()
+    assert (await auth.authenticate(creds(narrowed))).models == ()  # nothing in common: no model
+    assert (await auth.authenticate(creds(every))).models == ("a",)

@@ -207,3 +207,72 @@ async def test_unreachable_postgres_fails_fast():
         "store_unavailable",
         "1",
     )
+
+
+async def test_models_and_model_limits_round_trip(store):
+    """A tenant's models (null: every model) and its limits per model; a key's own models; unchanged when not
+    given, cleared when given as None / {}; the key lookup returns them."""
+    t = await store.create_tenant("acme")
+    assert t.models is None and t.model_limits == {}
+    t = await store.create_tenant(
+        "beta", models=["m1", "m2:7b"], model_limits={"m1": Limits(rpm=2, window_s=5.0), "m3": Limits()}
+    )
+    assert t.models == ["m1", "m2:7b"]
+    assert t.model_limits == {"m1": Limits(rpm=2, window_s=5.0), "m3": Limits()}
+    u = await store.update_tenant(t.id, disabled=True)
+    assert u.models == ["m1", "m2:7b"] and u.model_limits["m1"].rpm == 2  # not given: unchanged
+    u = await store.update_tenant(t.id, models=[], model_limits={"m2:7b": Limits(daily_tokens=9)})
+    assert u.models == [] and u.model_limits == {"m2:7b": Limits(daily_tokens=9)}
+    u = await store.update_tenant(t.id, models=None, model_limits={})
+    assert u.models is None and u.model_limits == {}
+    secret, k = await store.create_key(t.id, models=["m1"])
+    assert k.models == ["m1"] and (await store.get_key(k.id)).models == ["m1"]
+    await store.update_tenant(t.id, models=["m1", "m2"], model_limits={"m2": Limits(tpm=7)})
+    key, tenant = await store.find_key(hash_key(secret))
+    assert key.models == ["m1"] and tenant.models == ["m1", "m2"] and tenant.model_limits["m2"].tpm == 7
+    assert (await store.update_key(k.id, name="x")).models == ["m1"]
+    assert (await store.update_key(k.id, models=None)).models is None
+    assert [x.models for x in await store.list_tenants()] == [None, ["m1", "m2"]]
+
+
+async def test_tokens_on_day_of_one_model(store):
+    t = await store.create_tenant("a")
+    rows = [
+        row(t.id, "k1", model="m", total=5),
+        row(t.id, "k1", model="n", total=7),
+        row(t.id, "k2", total=1),
+    ]
+    assert await store.insert_usage(rows) == 3
+    assert await store.tokens_on_day(tenant_id=t.id, day="2026-01-02") == 13
+    assert await store.tokens_on_day(tenant_id=t.id, day="2026-01-02", model="m") == 6
+    assert await store.tokens_on_day(key_id="k1", day="2026-01-02", model="n") == 7
+
+
+def test_migration_keeps_tenants_and_keys_of_an_older_schema(tmp_path):
+    """A database made before the models columns existed (migrations 1-2) opens with its rows intact: every
+    model allowed, no limits per model."""
+    import sqlite3
+
+    from auth.sqlite_store import SqliteDatabase
+
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    for sql in MIGRATIONS[:2]:
+        conn.executescript(sql)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    conn.executemany("INSERT INTO schema_version VALUES (?)", [(1,), (2,)])
+    conn.execute(
+        "INSERT INTO tenants(id, name, created_at, limits) VALUES ('tn_old', 'old', 1.0, '{\"rpm\": 3}')"
+    )
+    conn.execute(
+        "INSERT INTO api_keys(id, tenant_id, prefix, hash, created_at) VALUES ('key_old', 'tn_old', 'p', 'h', 1.0)"
+    )
+    conn.commit()
+    conn.close()
+    from auth.sql import SqlStore
+
+    s = SqlStore(SqliteDatabase(str(path)))
+    key, tenant = s.find_key("h")
+    assert (tenant.limits.rpm, tenant.models, tenant.model_limits, key.models) == (3, None, {}, None)
+    assert s.db.schema_version() == len(MIGRATIONS)
+    s.close()

@@ -246,3 +246,80 @@ async def test_close_is_idempotent(admission):
         first["x-ratelimit-remaining-tokens"]
         == (await admission.peek_headers(p))["x-ratelimit-remaining-tokens"]
     )
+
+
+def model_principal(model_limits: dict[str, Limits], **limits) -> Principal:
+    p = principal(**limits)
+    return Principal(p.tenant_id, p.tenant_name, p.key_id, p.key_prefix, p.limits, model_limits=model_limits)
+
+
+async def requests_to(adm: Admission, p: Principal, n: int, model: str | None = None):
+    """``n`` one-token admissions to ``model``, one after the other: (how many passed, the refusals)."""
+    passed, refused = 0, []
+    for _ in range(n):
+        try:
+            async with adm.admit(p, prompt_tokens=1, max_tokens=0, model=model):
+                passed += 1
+        except RateLimitExceeded as e:
+            refused.append(e)
+    return passed, refused
+
+
+async def test_model_limits_are_dimensions_of_their_own(admission):
+    """A tenant's limits for one model apply to requests to that model, besides the tenant-wide ones; the other
+    models (and requests naming none) are not affected by them."""
+    p = model_principal({"m1": Limits(rpm=2, window_s=3600)}, rpm=20, window_s=3600)
+    ok, errs = await requests_to(admission, p, 5, "m1")
+    assert ok == 2 and len(errs) == 3
+    e = errs[0]
+    assert e.code == "rate_limit_exceeded" and e.type == "requests"
+    assert f"model m1 of tenant {p.tenant_name}" in e.message and "Limit 2" in e.message
+    assert (
+        e.headers["x-ratelimit-limit-requests"] == "2" and e.headers["x-ratelimit-remaining-requests"] == "0"
+    )
+    assert await requests_to(admission, p, 6, "m2") == (6, [])
+    assert await requests_to(admission, p, 2) == (2, [])
+    # every admitted request was charged to the tenant too: 2 + 6 + 2 of 20
+    assert (await admission.peek_headers(p))["x-ratelimit-remaining-requests"] == "10"
+    assert (await admission.peek_headers(p, "m1"))["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_tenant_limits_still_bind_a_model_with_looser_limits(admission):
+    p = model_principal({"m1": Limits(rpm=50)}, rpm=3)
+    ok, errs = await requests_to(admission, p, 6, "m1")
+    assert ok == 3 and f"for tenant {p.tenant_name} on" in errs[0].message
+
+
+async def test_model_tokens_and_concurrency_are_trued_up(admission):
+    p = model_principal({"m1": Limits(tpm=1000, max_concurrent=1, window_s=3600)})
+    async with admission.admit(p, prompt_tokens=100, max_tokens=400, model="m1") as r:
+        assert r.headers["x-ratelimit-remaining-tokens"] == "500"
+        with pytest.raises(RateLimitExceeded) as ei:
+            async with admission.admit(p, prompt_tokens=1, max_tokens=1, model="m1"):
+                pass
+        assert "Too many concurrent requests for model m1" in ei.value.message
+        async with admission.admit(p, prompt_tokens=1, max_tokens=1, model="m2"):
+            pass
+        r.finish(completion_tokens=10)
+    assert 889 <= int(r.final_headers["x-ratelimit-remaining-tokens"]) <= 900
+    async with admission.admit(p, prompt_tokens=1, max_tokens=1, model="m1"):  # the slot was freed
+        assert await admission.clear_leases(p.tenant_id, [p.key_id], ["m1"]) == (0, 0, 1)
+
+
+async def test_model_daily_quota_is_seeded_from_that_models_rows(books):
+    """A restarted process seeds a model's daily quota from that model's ledger rows only."""
+    _, ledger = books
+    p = model_principal({"m1": Limits(daily_tokens=100)})
+    for model, tokens in (("m1", 40), ("m2", 80)):
+        async with Admission(LocalLimiter(), ledger).admit(
+            p, prompt_tokens=tokens, max_tokens=0, model=model
+        ) as r:
+            r.finish(completion_tokens=0)
+    await ledger.flush()
+    restarted = Admission(LocalLimiter(), ledger)
+    async with restarted.admit(p, prompt_tokens=50, max_tokens=0, model="m1") as r:  # 40 + 50 <= 100
+        r.finish(completion_tokens=0)
+    with pytest.raises(RateLimitExceeded) as ei:
+        async with restarted.admit(p, prompt_tokens=20, max_tokens=0, model="m1"):  # 90 + 20 > 100
+            pass
+    assert ei.value.code == "insufficient_quota" and "model m1 of tenant" in ei.value.message

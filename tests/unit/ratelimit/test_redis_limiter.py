@@ -279,3 +279,37 @@ async def test_lost_acquire_reply_is_taken_back(redis_url):
         assert isinstance(adm.limiter, RedisLimiter)
         assert await adm.limiter.undo(adm.dims(p, 10, time.time()), "never-acquired") is False
         assert (await adm.peek_headers(p))["x-ratelimit-remaining-requests"] == "2"
+
+
+async def test_redis_model_limits_are_dimensions_of_their_own(redis_url):
+    """In the Lua script too: a tenant's limits for one model are keys of their own, taken with the tenant's
+    (all or nothing), and the model's lease set is cleared with the tenant's."""
+    adm = shared(redis_url)
+    await adm.start()
+    async with running(adm):
+        base = fresh(rpm=4, window_s=3600)
+        p = Principal(
+            base.tenant_id,
+            base.tenant_name,
+            base.key_id,
+            base.key_prefix,
+            base.limits,
+            model_limits={"m1": Limits(rpm=2, max_concurrent=1, window_s=3600)},
+        )
+        async with adm.admit(p, prompt_tokens=1, max_tokens=1, model="m1") as r:
+            assert r.headers["x-ratelimit-remaining-requests"] == "1"  # the tightest: the model's
+            with pytest.raises(RateLimitExceeded) as ei:
+                async with adm.admit(p, prompt_tokens=1, max_tokens=1, model="m1"):
+                    pass
+            assert f"concurrent requests for model m1 of tenant {p.tenant_name}" in ei.value.message
+            assert await adm.clear_leases(p.tenant_id, [], ["m1"]) == (0, 0, 1)
+        async with adm.admit(p, prompt_tokens=1, max_tokens=1, model="m1"):
+            pass
+        with pytest.raises(RateLimitExceeded) as ei:  # the model's rpm is spent (the refused one took none)
+            async with adm.admit(p, prompt_tokens=1, max_tokens=1, model="m1"):
+                pass
+        assert "model m1" in ei.value.message and ei.value.headers["x-ratelimit-limit-requests"] == "2"
+        async with adm.admit(
+            p, prompt_tokens=1, max_tokens=1, model="m2"
+        ) as r:  # another model: the tenant's
+            assert r.headers["x-ratelimit-remaining-requests"] == "1"
