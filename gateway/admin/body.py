@@ -36,8 +36,9 @@ _KEY = re.compile(r" - at `key` in `\$\.?([^`]*)`$")
 MAPS: dict[str, type] = {"model_limits": LimitsPatch}
 
 
-def invalid_body(exc: msgspec.ValidationError) -> InvalidRequest:
-    """The 400 for a body that does not fit its type, ``param`` naming the field (dotted when nested)."""
+def invalid_body(exc: msgspec.ValidationError, within: str = "") -> InvalidRequest:
+    """The 400 for a body that does not fit its type, ``param`` naming the field (dotted when nested; under
+    ``within`` when the value checked is that member of the body)."""
     text = str(exc)
     key = _KEY.search(text)
     if key:
@@ -47,6 +48,7 @@ def invalid_body(exc: msgspec.ValidationError) -> InvalidRequest:
         )
     at = _AT.search(text)
     path = at.group(1).replace("[...]", "") if at else ""
+    path = f"{within}.{path}" if within and path else within or path
     what = text[: at.start()] if at else text
     for pattern, message, code in (
         (_MISSING, "Missing required field: '{}'.", "missing_required_parameter"),
@@ -97,10 +99,7 @@ def entry_error(value: dict[str, object], exc: msgspec.ValidationError) -> Inval
         try:
             msgspec.convert(entry, MAPS[member])
         except msgspec.ValidationError as inner:
-            e = invalid_body(inner)
-            param = f"{member}.{name}" + (f".{e.param}" if e.param else "")
-            message = e.message.replace(f"'{e.param}'", f"'{param}'") if e.param else e.message
-            return InvalidRequest(message, param=param, code=e.code)
+            return invalid_body(inner, f"{member}.{name}")
     return None
 
 
