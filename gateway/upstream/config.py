@@ -1,0 +1,102 @@
+"""``UpstreamConfig``: how the gateway reaches one model of kind ``openai`` (an OpenAI-compatible server).
+
+The keys of a ``[[models]]`` table (``gateway.sections.ModelSettings``) that are not its own fields are this
+kind's (``ModelSettings.upstream``)::
+
+    [[models]]
+    name = "big"                          # the served name (ModelSettings)
+    kind = "openai"                       # (ModelSettings)
+    tokenizer = "/models/llama.gguf"      # optional (ModelSettings): counts here, send = "prompt"
+    context_length = 8192                 # optional (ModelSettings): reserved when max_tokens is absent
+    urls = ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]   # UpstreamConfig from here on
+    upstream_model = "meta-llama/Llama-3.1-8B-Instruct"              # default: the served name
+    api_key_env = "BIG_API_KEY"           # or api_key_file = "/run/secrets/big"; never logged
+    send = "messages"                     # or "prompt": the gateway templates, /v1/completions
+
+Units: seconds for timeouts, tokens per character for ``tokens_per_char``. Errors: ``UpstreamConfigError``
+(a ``ValueError``) names the model and the field, never the key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+import httpx
+import msgspec
+
+#: Tokens reserved per prompt character when the model has no tokenizer here. BPE tokenizers of the
+#: llama family write English at about 0.25 tokens a character and code or digits at up to 0.5; 0.5 is the
+#: safety factor: an estimate that rarely falls short. The true-up at the end bills the upstream's count.
+TOKENS_PER_CHAR = 0.5
+#: Tokens of template text (role headers, markers) reserved per message on top of its characters.
+TOKENS_PER_MESSAGE = 8
+
+
+class UpstreamConfigError(ValueError):
+    """A model of kind ``openai`` that cannot be used: no URL, a URL that is not http(s), an API key source
+    that cannot be read. ``str()`` is one line naming the model and the field (never the key)."""
+
+
+def _meta(description: str, **constraints: float) -> msgspec.Meta:
+    return msgspec.Meta(description=description, **constraints)
+
+
+class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """One upstream model's connection (the ``kind = "openai"`` fields of a ``[[models]]`` table)."""
+
+    urls: Annotated[list[str], _meta("base URLs of one model, tried in order (…/v1)")]
+    upstream_model: Annotated[
+        str | None, _meta("the model name the upstream knows (default: served name)")
+    ] = None
+    api_key_env: Annotated[str | None, _meta("environment variable holding the upstream's API key")] = None
+    api_key_file: Annotated[str | None, _meta("file holding the upstream's API key")] = None
+    send: Annotated[
+        Literal["messages", "prompt"],
+        _meta("messages: the upstream templates; prompt: the gateway templates and calls /v1/completions"),
+    ] = "messages"
+    connect_timeout: Annotated[float, _meta("seconds to connect to one URL", gt=0)] = 3.0
+    read_timeout: Annotated[float, _meta("seconds the upstream may stay silent", gt=0)] = 120.0
+    tokens_per_char: Annotated[
+        float, _meta("tokens reserved per prompt character without a tokenizer", gt=0)
+    ] = TOKENS_PER_CHAR
+
+    def check(self, name: str) -> None:
+        """Raises ``UpstreamConfigError`` unless every URL is an absolute http(s) URL and the key source
+        (if any) can be read."""
+        if not self.urls:
+            raise UpstreamConfigError(f"model {name!r}: 'urls' lists no URL")
+        for u in self.urls:
+            try:
+                url = httpx.URL(u)
+            except Exception:  # noqa: BLE001 - httpx.InvalidURL and its relatives
+                url = None
+            if url is None or url.scheme not in ("http", "https") or not url.host:
+                raise UpstreamConfigError(f"model {name!r}: 'urls' holds {u[:200]!r}, not an http(s) URL")
+        self.api_key(name)
+
+    def api_key(self, name: str) -> str | None:
+        """The upstream's API key: from ``api_key_env``, else ``api_key_file`` (stripped), else None.
+
+        Raises:
+            UpstreamConfigError: the variable is unset or empty, or the file cannot be read or is empty.
+        """
+        if self.api_key_env is not None:
+            key = os.environ.get(self.api_key_env, "").strip()
+            if not key:
+                raise UpstreamConfigError(
+                    f"model {name!r}: the variable {self.api_key_env} is unset or empty"
+                )
+            return key
+        if self.api_key_file is not None:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as f:
+                    key = f.read().strip()
+            except OSError as exc:
+                raise UpstreamConfigError(
+                    f"model {name!r}: cannot read api_key_file {self.api_key_file}: {exc.strerror}"
+                ) from None
+            if not key:
+                raise UpstreamConfigError(f"model {name!r}: api_key_file {self.api_key_file} is empty")
+            return key
+        return None

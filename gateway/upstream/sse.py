@@ -1,0 +1,92 @@
+"""``chunks(resp)``: an upstream's answer as OpenAI chunk objects, one per SSE event.
+
+A ``text/event-stream`` answer is read line by line (WHATWG HTML, "Server-sent events": ``data:`` lines
+joined by newlines, a blank line ends an event, ``:`` comments and other fields ignored); ``data: [DONE]``
+ends it. Each event's data is one JSON object: a ``chat.completion.chunk`` or ``text_completion`` chunk
+(OpenAI "The chat completion chunk object"). An ``application/json`` answer (an upstream that does not
+stream) is turned into one equivalent chunk: ``message`` becomes ``delta``, tool calls get their ``index``.
+
+Raises (while iterating): ``UpstreamError`` (502) when the upstream sends an error event (``{"error":
+...}``), data that is not a JSON object, goes silent past its read timeout, or breaks the connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+
+from gateway.upstream.errors import UpstreamError
+
+_MAX_EVENT_BYTES = 4 * 1024 * 1024  # one SSE event; beyond it the upstream is broken
+
+
+def _decoded(data: str) -> dict[str, Any]:
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        raise UpstreamError("The upstream model server sent an event that is not JSON.") from None
+    if not isinstance(obj, dict):
+        raise UpstreamError("The upstream model server sent an event that is not a JSON object.")
+    err = obj.get("error")
+    if err is not None:
+        msg = err.get("message") if isinstance(err, dict) else err
+        text = msg[:500] if isinstance(msg, str) else "no message"
+        raise UpstreamError(f"The upstream model server failed while generating: {text}")
+    return obj
+
+
+def _as_chunk(obj: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` / ``text_completion`` as one chunk of the same content."""
+    choices = []
+    for ch in obj.get("choices") or []:
+        if not isinstance(ch, dict):
+            continue
+        out = {k: v for k, v in ch.items() if k not in ("message", "logprobs")}
+        msg = ch.get("message")
+        if isinstance(msg, dict):
+            delta = dict(msg)
+            calls = msg.get("tool_calls")
+            if isinstance(calls, list):
+                delta["tool_calls"] = [
+                    {**c, "index": i} if isinstance(c, dict) else c for i, c in enumerate(calls)
+                ]
+            out["delta"] = delta
+        choices.append(out)
+    return {**obj, "choices": choices}
+
+
+async def chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The chunk objects of ``resp`` in order (see the module docstring)."""
+    try:
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            body = await resp.aread()
+            yield _as_chunk(_decoded(body.decode("utf-8", errors="replace")))
+            return
+        data: list[str] = []
+        size = 0
+        async for line in resp.aiter_lines():
+            if line == "":
+                if data:
+                    joined = "\n".join(data)
+                    data, size = [], 0
+                    if joined.strip() == "[DONE]":
+                        return
+                    yield _decoded(joined)
+                continue
+            if line.startswith(":"):
+                continue
+            field, _, value = line.partition(":")
+            if field == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+                size += len(value)
+                if size > _MAX_EVENT_BYTES:
+                    raise UpstreamError("The upstream model server sent an event over 4 MiB.")
+        if data and "\n".join(data).strip() != "[DONE]":
+            yield _decoded("\n".join(data))
+    except httpx.TimeoutException:
+        raise UpstreamError("The upstream model server went silent past its read timeout.") from None
+    except httpx.HTTPError:
+        raise UpstreamError("The upstream model server broke off the answer.") from None

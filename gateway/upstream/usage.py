@@ -1,0 +1,75 @@
+"""``Usage``: the tokens one upstream request is billed, from the upstream's own ``usage`` when it sent one,
+else counted here and marked estimated.
+
+Prompt tokens before the request (what admission reserves): counted by the model's tokenizer over the
+message texts plus ``TOKENS_PER_MESSAGE`` per message (the upstream's template adds its own markers), or
+without a tokenizer ``ceil(characters * tokens_per_char)`` plus the same allowance
+(``UpstreamConfig.tokens_per_char``; the safety factor is documented in docs/upstream.md). After the answer: the
+upstream's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.
+cached_tokens``) wins; where it sent none (an upstream without ``stream_options``, a stream the gateway
+closed after an output filter cut it or the client left) the completion is counted over the text received
+(the tokenizer, else the estimate) and the prompt keeps its reserved count; ``estimated`` is then True
+(docs/upstream.md: the ledger row's ``timings.usage_estimated`` and a log line say so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from gateway.upstream.config import TOKENS_PER_MESSAGE, UpstreamConfig
+from templating import TextTokenizer
+
+
+def message_texts(messages: list[dict[str, Any]]) -> Iterator[str]:
+    """The text of every message's ``content`` (a string, or the ``text`` of its parts)."""
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            yield c
+        elif isinstance(c, list):
+            for part in c:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    yield part["text"]
+
+
+def text_tokens(text: str, tok: TextTokenizer | None, cfg: UpstreamConfig) -> int:
+    """Tokens of ``text``: by ``tok`` when given, else ``ceil(len(text) * cfg.tokens_per_char)``."""
+    if not text:
+        return 0
+    if tok is not None:
+        return len(tok.encode_plain(text))
+    return math.ceil(len(text) * cfg.tokens_per_char)
+
+
+def prompt_tokens(messages: list[dict[str, Any]], tok: TextTokenizer | None, cfg: UpstreamConfig) -> int:
+    """Prompt tokens reserved for ``messages`` (see the module docstring); at least 1."""
+    n = sum(text_tokens(t, tok, cfg) for t in message_texts(messages))
+    return max(1, n + TOKENS_PER_MESSAGE * len(messages))
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Tokens billed for one upstream request; ``estimated``: counted here, not the upstream's."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    estimated: bool = False
+
+
+def _int(obj: Any, key: str) -> int | None:
+    v = obj.get(key) if isinstance(obj, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def settled(upstream: Any, *, prompt_tokens: int, completion_tokens: int) -> Usage:
+    """The usage billed: the upstream's ``usage`` object when it has both counts, else ``prompt_tokens``
+    (reserved) and ``completion_tokens`` (counted here), marked estimated."""
+    p, c = _int(upstream, "prompt_tokens"), _int(upstream, "completion_tokens")
+    if p is not None and c is not None:
+        cached = _int(upstream.get("prompt_tokens_details"), "cached_tokens") or 0
+        return Usage(prompt_tokens=p, completion_tokens=c, cached_tokens=min(cached, p))
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, estimated=True)
