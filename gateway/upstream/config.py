@@ -1,19 +1,19 @@
 """``UpstreamConfig``: how the gateway reaches one model of kind ``openai`` (an OpenAI-compatible server).
 
-The keys of a ``[[models]]`` table (``gateway.sections.ModelSettings``) that are not its own fields are this
-kind's (``ModelSettings.upstream``)::
+Built from a ``[[models]]`` table (``gateway.sections.ModelSettings``): the kind's own keys
+(``ModelSettings.upstream``) with the table's ``tokenizer`` and ``context_length`` (``gateway.launch``)::
 
     [[models]]
     name = "big"                          # the served name (ModelSettings)
     kind = "openai"                       # (ModelSettings)
-    tokenizer = "/models/llama.gguf"      # optional (ModelSettings): counts here, send = "prompt"
-    context_length = 8192                 # optional (ModelSettings): reserved when max_tokens is absent
-    urls = ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]   # UpstreamConfig from here on
+    tokenizer = "/models/llama.gguf"      # optional: counts here; send = "prompt" renders its template
+    context_length = 8192                 # optional: reserved when a request gives no max_tokens
+    urls = ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]   # the kind's own keys from here on
     upstream_model = "meta-llama/Llama-3.1-8B-Instruct"              # default: the served name
     api_key_env = "BIG_API_KEY"           # or api_key_file = "/run/secrets/big"; never logged
     send = "messages"                     # or "prompt": the gateway templates, /v1/completions
 
-Units: seconds for timeouts, tokens per character for ``tokens_per_char``. Errors: ``UpstreamConfigError``
+Units: seconds for timeouts, tokens for ``context_length``, tokens per character for ``tokens_per_char``. Errors: ``UpstreamConfigError``
 (a ``ValueError``) names the model and the field, never the key.
 """
 
@@ -55,6 +55,10 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
         Literal["messages", "prompt"],
         _meta("messages: the upstream templates; prompt: the gateway templates and calls /v1/completions"),
     ] = "messages"
+    tokenizer: Annotated[str | None, _meta("tokenizer (GGUF or HF dir) counting tokens here")] = None
+    context_length: Annotated[
+        int, _meta("tokens a request may use (reserved when max_tokens is absent)", ge=1)
+    ] = 8192
     connect_timeout: Annotated[float, _meta("seconds to connect to one URL", gt=0)] = 3.0
     read_timeout: Annotated[float, _meta("seconds the upstream may stay silent", gt=0)] = 120.0
     tokens_per_char: Annotated[
@@ -73,6 +77,10 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
                 url = None
             if url is None or url.scheme not in ("http", "https") or not url.host:
                 raise UpstreamConfigError(f"model {name!r}: 'urls' holds {u[:200]!r}, not an http(s) URL")
+        if self.send == "prompt" and self.tokenizer is None:
+            raise UpstreamConfigError(
+                f'model {name!r}: send = "prompt" needs a tokenizer (its chat template)'
+            )
         self.api_key(name)
 
     def api_key(self, name: str) -> str | None:

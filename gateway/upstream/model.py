@@ -2,39 +2,19 @@
 
 It owns the model's ``UpstreamClient`` (one ``httpx.AsyncClient``, closed by ``aclose`` at shutdown) and,
 when a ``tokenizer`` is configured, that tokenizer and its chat template (counting; ``send = "prompt"``).
-``open_upstream(settings)`` builds one from its ``[[models]]`` table, the tokenizer loaded in a worker
-thread.
+``open_upstream(name, config, aliases)`` checks the config and loads the tokenizer in a worker thread.
 
-Raises (``open_upstream``): ``UpstreamConfigError`` (a ``ValueError``): an unknown key or a wrong type, a
-bad URL, an unreadable key, a tokenizer or template that cannot be loaded; one line naming the model.
+Raises (``open_upstream``): ``UpstreamConfigError`` (a ``ValueError``): a bad URL, an unreadable key, a
+tokenizer that cannot be loaded, ``send = "prompt"`` without a chat template; one line naming the model.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Protocol
-
-import msgspec
 import trio
 
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.config import UpstreamConfig, UpstreamConfigError
 from templating import ChatTemplate, TextTokenizer, cached_tokenizer
-
-#: Tokens a request may use when the table gives no ``context_length`` (what a request without
-#: ``max_tokens`` reserves, less its prompt).
-DEFAULT_CONTEXT = 8192
-
-
-class ModelTable(Protocol):
-    """The ``[[models]]`` table of one model (``gateway.sections.ModelSettings``)."""
-
-    name: str
-    aliases: list[str]
-    tokenizer: str | None
-    chat_template: str | None
-    context_length: int | None
-    upstream: dict[str, str | int | float | bool | list[str]]
 
 
 class OpenAIUpstream:
@@ -55,7 +35,6 @@ class OpenAIUpstream:
         aliases: tuple[str, ...] = (),
         tokenizer: TextTokenizer | None = None,
         template: ChatTemplate | None = None,
-        context_length: int = DEFAULT_CONTEXT,
     ) -> None:
         config.check(name)
         if config.send == "prompt" and template is None:
@@ -67,7 +46,7 @@ class OpenAIUpstream:
         self.config = config
         self.tokenizer = tokenizer
         self.template = template
-        self.context_length = context_length
+        self.context_length = config.context_length
         self.client = UpstreamClient(name, config, config.api_key(name))
 
     def __repr__(self) -> str:  # never the key
@@ -83,46 +62,27 @@ class OpenAIUpstream:
         await self.client.aclose()
 
 
-def _text_side(name: str, path: str, template_file: str | None) -> tuple[TextTokenizer, ChatTemplate | None]:
+def _text_side(name: str, path: str) -> tuple[TextTokenizer, ChatTemplate | None]:
     try:
         tok = cached_tokenizer(path)
-        source = Path(template_file).read_text(encoding="utf-8") if template_file else None
     except Exception as exc:  # noqa: BLE001 - whatever the loader raises: one line
         why = " ".join(str(exc).split())
         raise UpstreamConfigError(f"model {name!r}: cannot load tokenizer {path}: {why}") from None
     try:
-        template: ChatTemplate | None = ChatTemplate(tok, source)
+        template: ChatTemplate | None = ChatTemplate(tok, None)
     except Exception:  # noqa: BLE001 - no usable template: counting still works
         template = None
     return tok, template
 
 
-def upstream_config(table: ModelTable) -> UpstreamConfig:
-    """The ``UpstreamConfig`` of ``table.upstream``. Raises ``UpstreamConfigError`` naming the key."""
-    try:
-        return msgspec.convert(table.upstream, UpstreamConfig)
-    except msgspec.ValidationError as exc:
-        raise UpstreamConfigError(f"model {table.name!r}: {exc}") from None
-
-
-async def open_upstream(table: ModelTable) -> OpenAIUpstream:
-    """The model of ``table`` (kind ``openai``), its tokenizer (if any) loaded in a worker thread.
+async def open_upstream(name: str, config: UpstreamConfig, aliases: tuple[str, ...] = ()) -> OpenAIUpstream:
+    """The model ``name`` of ``config``, its tokenizer (if any) loaded in a worker thread.
 
     Raises:
         UpstreamConfigError: see the module docstring.
     """
-    config = upstream_config(table)
-    config.check(table.name)
+    config.check(name)
     tok = template = None
-    if table.tokenizer is not None:
-        tok, template = await trio.to_thread.run_sync(
-            _text_side, table.name, table.tokenizer, table.chat_template
-        )
-    return OpenAIUpstream(
-        table.name,
-        config,
-        aliases=tuple(table.aliases),
-        tokenizer=tok,
-        template=template,
-        context_length=table.context_length or DEFAULT_CONTEXT,
-    )
+    if config.tokenizer is not None:
+        tok, template = await trio.to_thread.run_sync(_text_side, name, config.tokenizer)
+    return OpenAIUpstream(name, config, aliases=aliases, tokenizer=tok, template=template)
