@@ -42,6 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
+from gateway.admin.backends import backend_routes
 from gateway.admin.routes import admin_routes, usage_routes
 from gateway.errors import APIError, InternalError, MethodNotAllowed, NotFound
 from gateway.inspector.routes import inspect_routes
@@ -184,6 +185,7 @@ def build_app(gw: Gateway) -> GatewayApp:
     if gw.tenancy is not None:
         # the stats route again inside the mount, so that another method on it is a 405 there (not a 404)
         admin = [Route("/stats", admin_stats, methods=["GET"]), *admin_routes(gw.tenancy)]
+        admin += backend_routes(gw)  # /backends: list, drain, undrain (gateway/admin/backends.py)
         routes += [Mount("/admin/v1", routes=admin), *usage_routes(gw.tenancy)]
         middleware.append(Middleware(AuthMiddleware, tenants=gw.tenancy))
     routes += [*openapi_routes(), *playground_routes()]

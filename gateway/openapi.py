@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin import schemas as admin
+from gateway.admin.backends import Backend, BackendList
 from gateway.admin.routes import LeasesCleared
 from gateway.inspector.record import InspectRecord
 from gateway.openai.schemas import ChatChunk, ChatCompletion, ChatRequest, Completion, CompletionRequest
@@ -207,7 +208,7 @@ class Operation:
 
 
 _GEN = (404, 503)
-_TENANT = "/admin/v1/tenants/{tenant_id}"
+_TENANT, _BACKEND = "/admin/v1/tenants/{tenant_id}", "/admin/v1/backends/{backend_id}"
 _NDJSON = "application/x-ndjson"
 ROUTES: tuple[Operation, ...] = (
     Operation("POST", "/v1/chat/completions", "Create a chat completion (OpenAI)", "tenant", ChatRequest,
@@ -277,13 +278,18 @@ ROUTES: tuple[Operation, ...] = (
     Operation("GET", "/admin/v1/spend", "Tokens per tenant, key, model or day over a time range", "admin",
               response=admin.Spend, errors=(400, 404, 503),
               query=("since", "until", "tenant_id", "key_id", "model", "group_by")),
+    Operation("GET", "/admin/v1/backends", "Every backend: state, load, engine stats", "admin", response=BackendList),
+    Operation("POST", f"{_BACKEND}/drain", "Route no new request to a backend (wait: until none in flight)",
+              "admin", response=Backend, errors=(400, 404), query=("wait",)),
+    Operation("POST", f"{_BACKEND}/undrain", "Route requests to a drained backend again", "admin",
+              response=Backend, errors=(404,)),
 )  # fmt: skip
 
 ERROR_TEXT = {
     400: "Invalid request: the body, a parameter or a value (param names it)",
     401: "Missing or wrong key",
     403: "A tenant key on an admin route",
-    404: "Unknown model, tenant, key or file",
+    404: "Unknown model, tenant, key, backend or file",
     408: "The request body did not arrive within the body timeout (the connection is closed)",
     409: "Tenant name already taken",
     413: "Request body too large",
@@ -292,7 +298,8 @@ ERROR_TEXT = {
 }
 QUERY_TEXT = {"since": "UNIX seconds or ISO-8601 (UTC), inclusive", "until": "the same, exclusive",
               "tenant_id": "only this tenant's rows (id or name)", "key_id": "only this key's rows",
-              "model": "only this model's rows", "group_by": "tenant (default), key, model or day"}  # fmt: skip
+              "model": "only this model's rows", "group_by": "tenant (default), key, model or day",
+              "wait": "seconds to wait for the requests in flight to finish (0-300; default 0)"}  # fmt: skip
 
 
 def error_statuses(op: Operation) -> tuple[int, ...]:
@@ -352,14 +359,16 @@ def _operation(op: Operation) -> dict[str, object]:
     return out
 
 
+_INFO = {"title": "llm-gateway", "version": "0.1.0",
+         "description": "OpenAI- and Ollama-compatible chat gateway; multi-tenant admin API under /admin/v1."}  # fmt: skip
+_SECURITY = {"tenantKey": {"type": "http", "scheme": "bearer", "description": "a tenant API key (sk-gw-...)"},
+             "adminKey": {"type": "http", "scheme": "bearer", "description": "the gateway's admin key"}}  # fmt: skip
+
+
 def openapi_spec() -> dict[str, object]:
     """The OpenAPI 3.1 document of :data:`ROUTES` (a fresh dict each call)."""
-    types = {
-        t
-        for op in ROUTES
-        for t in (op.request, op.response, op.stream_item, op.error_type)
-        if isinstance(t, type)
-    }
+    types = {t for op in ROUTES for t in (op.request, op.response, op.stream_item, op.error_type)
+             if isinstance(t, type)}  # fmt: skip
     _, schemas = msgspec.json.schema_components(
         sorted(types, key=lambda t: t.__name__), ref_template="#/components/schemas/{name}"
     )
@@ -368,22 +377,8 @@ def openapi_spec() -> dict[str, object]:
         paths.setdefault(op.path, {})[op.method.lower()] = _operation(op)
     return {
         "openapi": "3.1.0",
-        "info": {
-            "title": "llm-gateway",
-            "version": "0.1.0",
-            "description": "OpenAI- and Ollama-compatible chat gateway; multi-tenant admin API under /admin/v1.",
-        },
-        "components": {
-            "securitySchemes": {
-                "tenantKey": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "a tenant API key (sk-gw-...)",
-                },
-                "adminKey": {"type": "http", "scheme": "bearer", "description": "the gateway's admin key"},
-            },
-            "schemas": schemas,
-        },
+        "info": dict(_INFO),
+        "components": {"securitySchemes": {k: dict(v) for k, v in _SECURITY.items()}, "schemas": schemas},
         "paths": paths,
     }
 

@@ -82,7 +82,7 @@ class BackendSettings(Section):
     ] = "prefix"
     route_prefix_blocks: Annotated[
         int, _opt("leading full KV blocks of the prompt that choose its backend (routing = prefix)", ge=1)
-    ] = 1
+    ] = 8
     route_max_waiting: Annotated[
         int,
         _opt(

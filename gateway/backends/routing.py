@@ -46,7 +46,7 @@ class RoutingConfig:
     ``route_max_waiting``)."""
 
     policy: Policy = "prefix"
-    prefix_blocks: int = 1  # leading full blocks hashed into the route key (>= 1)
+    prefix_blocks: int = 8  # leading full blocks hashed into the route key (>= 1; measured: docs/perf.md)
     max_waiting: int = 4  # requests beyond the least-loaded replica's before falling back to it (>= 0)
 
 

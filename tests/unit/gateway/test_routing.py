@@ -91,7 +91,7 @@ def test_least_loaded_takes_idle_replicas_in_turn():
 def test_routing_config_reads_the_backend_table():
     cfg = routing_config(BackendSettings(routing="least-loaded", route_prefix_blocks=3, route_max_waiting=0))
     assert cfg == RoutingConfig("least-loaded", 3, 0)
-    assert routing_config(BackendSettings()) == RoutingConfig("prefix", 1, 4)
+    assert routing_config(BackendSettings()) == RoutingConfig("prefix", 8, 4)
 
 
 def fake_pool(n: int, **kw) -> BackendPool:
@@ -105,9 +105,10 @@ def fake_pool(n: int, **kw) -> BackendPool:
 
 async def test_pick_routes_one_prefix_to_one_backend_and_skips_drained_ones():
     pool = fake_pool(3)
-    p = prompt(3)
+    p = prompt(3, 200)
     first = await pool.pick(p, "tn_1")
-    assert all([await pool.pick(p[:BS] + prompt(9)[BS:], "tn_1") is first for _ in range(5)])
+    lead = 8 * BS  # the default route key: the first 8 full blocks
+    assert all([await pool.pick(p[:lead] + prompt(s, 200)[lead:], "tn_1") is first for s in range(5)])
     name = next(s.name for s in pool.supervisors if s.client is first)
     pool.drain(name)
     again = await pool.pick(p, "tn_1")

@@ -1,0 +1,266 @@
+"""Routing benchmark: TTFT of prefix-aware and least-loaded routing among one model's replicas, over HTTP.
+
+Usage::
+
+    python bench/routing.py --replicas 2 --num-kv-blocks 180 --concurrency 4 --json out.json
+
+For each policy (``--policies``, default ``prefix,least-loaded``) a gateway is started with ``--backends
+N``, ``--routing POLICY`` and the engine options given (``--num-kv-blocks``: a KV pool that holds about half
+of the system prompts, as a replica whose cache is the scarce resource), then the same workload is sent
+through ``/v1/chat/completions`` (streamed, ``max_tokens`` 1) with ``--concurrency`` requests in flight:
+``--prompts`` distinct system prompts of about ``--prompt-words`` words each (~1.3 tokens a word), each
+asked ``--questions`` short distinct questions, in an order shuffled with ``--seed``. Printed (and written
+to JSON): TTFT p50/p90/p99 and mean (ms; request sent -> first content byte), the prefix-cache hit rate
+(hit tokens / prompt tokens, the backends' own counters from ``GET /admin/v1/stats``), wall time and the
+load average before and after. The gateways run one after the other, so both see a cold cache.
+
+Percentiles: nearest-rank on the sorted samples. The workload (``workload()``) is the one the acceptance
+test (tests/e2e/test_prefix_routing.py) sends as token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORDS = (
+    "account answer apple area army art baby bank bed bird blood boat body book box boy bread brother "
+    "building business car card care case cat cell center chair chance change child choice church city "
+    "class coffee color company computer corner country course court cup day death desk dinner door dream "
+    "earth energy engine evening eye face fact family farm father field film fire fish floor flower food "
+    "forest friend fruit game garden girl glass gold government grass group hair hand head health heart "
+    "history home horse hospital hotel house idea island job key kitchen lake land language law letter "
+    "library life light line list machine market meeting memory metal method minute money month morning "
+    "mother mountain music name nation nature news night note number ocean office oil paper parent party "
+    "people picture piece plan plant player poem police power price problem program question radio rain "
+    "reason river road rock room rule school science sea season secret service ship shop side sister "
+    "skill sky snow song sound space spring star station stone story street student summer sun system "
+    "table teacher team test theory thing time tool town tree truth unit valley village voice war water "
+    "wave week window winter woman word work world writer year"
+).split()
+QUESTION_WORDS = ("what", "why", "how", "where", "when", "who")
+
+
+def workload(
+    *, prompts: int = 8, questions: int = 16, prompt_words: int = 560, seed: int = 0
+) -> list[tuple[int, str, str]]:
+    """``(prompt index, system prompt, question)`` for every pair, in an order shuffled with ``seed``; the
+    texts are the same for the same arguments (a fixed ``random.Random``)."""
+    rng = random.Random(seed)
+    systems = [
+        f"You are assistant number {i}. Rules: " + " ".join(rng.choice(WORDS) for _ in range(prompt_words))
+        for i in range(prompts)
+    ]
+    pairs = [
+        (
+            i,
+            systems[i],
+            f"{rng.choice(QUESTION_WORDS)} is the {rng.choice(WORDS)} of the {rng.choice(WORDS)}?",
+        )
+        for i in range(prompts)
+        for _ in range(questions)
+    ]
+    rng.shuffle(pairs)
+    return pairs
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile ``p`` (0-100) of ``xs`` (nan when empty)."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_gateway(policy: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, str, str]:
+    """``python -m gateway serve`` with ``--routing policy``; returns (process, base URL, admin key, API key)
+    once /readyz is 200 and a tenant key exists. Raises RuntimeError: it exited or was not ready in 600 s."""
+    import httpx
+
+    tmp = tempfile.mkdtemp(prefix="bench-routing-")
+    port, admin = _free_port(), "adm-" + os.urandom(8).hex()
+    cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--db", f"{tmp}/t.db"]
+    cmd += [
+        "--admin-key",
+        admin,
+        "--backends",
+        str(args.replicas),
+        "--routing",
+        policy,
+        "--access-log",
+        "off",
+    ]
+    cmd += [
+        "--route-max-waiting",
+        str(args.route_max_waiting),
+        "--route-prefix-blocks",
+        str(args.prefix_blocks),
+    ]
+    cmd += ["--threads", str(args.threads)] + (
+        ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+    )
+    log = open(Path(tmp) / "gateway.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"gateway exited with {proc.returncode}: {(Path(tmp) / 'gateway.log').read_text()[-2000:]}"
+            )
+        try:
+            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise RuntimeError("gateway not ready in 600 s")
+    a = {"Authorization": f"Bearer {admin}"}
+    tid = httpx.post(base + "/admin/v1/tenants", json={"name": "bench"}, headers=a, timeout=30).json()["id"]
+    key = httpx.post(base + f"/admin/v1/tenants/{tid}/keys", json={}, headers=a, timeout=30).json()["key"]
+    return proc, base, admin, key
+
+
+def stop_gateway(proc: subprocess.Popen) -> None:
+    """SIGTERM the gateway (it stops its backends), SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def cache_counters(base: str, admin: str) -> tuple[int, int]:
+    """(prefix-cache hit tokens, prompt tokens) summed over the gateway's backends."""
+    import httpx
+
+    st = httpx.get(base + "/admin/v1/stats", headers={"Authorization": f"Bearer {admin}"}, timeout=30).json()
+    return st["prefix_cache_hits"], st["prompt_tokens"]
+
+
+async def send_all(base: str, key: str, model: str, pairs: list[tuple[int, str, str]], args) -> list[float]:
+    """Stream every pair as a chat completion, ``args.concurrency`` at once; the TTFT of each, seconds.
+
+    Raises:
+        RuntimeError: a request failed (its status and body).
+    """
+    import httpx
+    import trio
+
+    ttfts: list[float] = []
+    todo = iter(pairs)
+
+    async def one(client: httpx.AsyncClient, system: str, question: str) -> None:
+        body = {"model": model, "messages": [{"role": "system", "content": system},
+                {"role": "user", "content": question}], "max_tokens": args.max_tokens, "stream": True}  # fmt: skip
+        t0 = time.perf_counter()
+        first: float | None = None
+        async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if choices[0].get("delta", {}).get("content") or choices[0].get("finish_reason"):
+                        first = time.perf_counter() - t0
+        ttfts.append(first if first is not None else time.perf_counter() - t0)
+
+    async def sender(client: httpx.AsyncClient) -> None:
+        for _, system, question in todo:
+            await one(client, system, question)
+
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(headers=headers, timeout=600) as client, trio.open_nursery() as nursery:
+        for _ in range(args.concurrency):
+            nursery.start_soon(sender, client)
+    return ttfts
+
+
+def run_policy(policy: str, pairs: list[tuple[int, str, str]], args) -> dict:
+    """One gateway with ``--routing policy``: the workload's TTFTs (ms) and hit rate."""
+    import httpx
+    import trio
+
+    proc, base, admin, key = start_gateway(policy, args)
+    try:
+        model = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+        hits0, prompt0 = cache_counters(base, admin)
+        load0, t0 = os.getloadavg()[0], time.perf_counter()
+        ttfts = trio.run(send_all, base, key, model["data"][0]["id"], pairs, args)
+        wall, load1 = time.perf_counter() - t0, os.getloadavg()[0]
+        hits1, prompt1 = cache_counters(base, admin)
+    finally:
+        stop_gateway(proc)
+    ms = [t * 1000 for t in ttfts]
+    return {
+        "policy": policy,
+        "requests": len(ms),
+        "ttft_ms": {
+            "p50": percentile(ms, 50),
+            "p90": percentile(ms, 90),
+            "p99": percentile(ms, 99),
+            "mean": sum(ms) / len(ms),
+        },  # fmt: skip
+        "hit_rate": (hits1 - hits0) / max(1, prompt1 - prompt0),
+        "wall_s": wall,
+        "loadavg": [load0, load1],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=176, help="KV blocks per backend (0: the default pool)"
+    )
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--prompt-words", type=int, default=560)
+    p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per backend")
+    p.add_argument("--policies", default="prefix,least-loaded")
+    p.add_argument("--route-max-waiting", type=int, default=4)
+    p.add_argument("--prefix-blocks", type=int, default=8)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    pairs = workload(
+        prompts=args.prompts, questions=args.questions, prompt_words=args.prompt_words, seed=args.seed
+    )
+    results = []
+    for policy in args.policies.split(","):
+        r = run_policy(policy, pairs, args)
+        t = r["ttft_ms"]
+        print(
+            f"{policy:13s} TTFT p50 {t['p50']:7.1f} ms  p90 {t['p90']:7.1f}  p99 {t['p99']:7.1f}  mean {t['mean']:7.1f}"
+            f"  hit rate {r['hit_rate']:.3f}  wall {r['wall_s']:.1f} s  load {r['loadavg'][0]:.1f}->{r['loadavg'][1]:.1f}",
+            flush=True,
+        )
+        results.append(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
