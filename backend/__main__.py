@@ -3,6 +3,7 @@
 Usage::
 
     python -m backend --model PATH --listen unix:PATH|tcp://HOST:PORT
+        [--secret-file PATH] [--tls-cert PEM --tls-key PEM] [--handshake-timeout S]
         [--device cpu|cuda] [--dtype bfloat16|float32|float16]
         [--attention-backend torch|cupy]
         [--kv-cache-memory BYTES | --num-kv-blocks N] [--block-size 16]
@@ -16,6 +17,13 @@ model cannot be loaded, after ONE line on stderr naming the file and the reason
 (``error: cannot load model /m/x.gguf: tensor 'token_embd.weight' missing``;
 ``backend.protocol.load_error_line``): the gateway that spawned it reads that
 line and does not retry a first start that failed so.
+
+A ``tcp://`` listener needs the shared secret of the link (``--secret-file PATH``, or the environment variable
+``LLM_BACKEND_SECRET``; at least 16 bytes): every connection must prove it in the handshake before anything
+else it sends is read (``backend.protocol`` module docstring). Without one the process refuses to start (one
+line, exit 2); on a ``unix:`` socket the secret is optional (the socket file's permissions guard it). The
+variable is removed from the environment once read, so nothing the backend starts inherits it.
+``--tls-cert``/``--tls-key`` (PEM files) put the link under TLS (TCP only).
 """
 
 from __future__ import annotations
@@ -23,8 +31,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from backend.model_path import DEFAULT_DTYPE, default_model_path
+
+if TYPE_CHECKING:
+    from backend.server import LinkConfig
 
 
 def _bytes(s: str) -> int:
@@ -110,8 +122,66 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)"
     )
     ap.add_argument("--listen", required=True, help="unix:PATH or tcp://HOST:PORT")
+    add_link_args(ap)
     add_engine_args(ap)
     return ap
+
+
+def add_link_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the link to the gateway: the shared secret, TLS, the handshake's time limit."""
+    link = parser.add_argument_group("link")
+    link.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the shared secret connections must prove (default: $LLM_BACKEND_SECRET); "
+        "required with tcp://",
+    )
+    link.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (tcp:// only)")
+    link.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key (with --tls-cert)")
+    link.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds a connection gets to complete TLS and the handshake (default 5)",
+    )
+
+
+def link_config(args: argparse.Namespace, family: int, environ: dict[str, str]) -> LinkConfig:
+    """The ``LinkConfig`` of the parsed options.
+
+    Raises:
+        ValueError: one line: no secret for a TCP listener, an unreadable or short secret, TLS files that
+            do not load, TLS on a unix socket, a handshake timeout that is not positive.
+    """
+    import socket
+    import ssl
+
+    from backend.protocol import load_secret
+    from backend.server import LinkConfig
+
+    secret = load_secret(args.secret_file, environ)
+    tcp = family != socket.AF_UNIX
+    if tcp and secret is None:
+        raise ValueError(
+            "a tcp:// listener needs the link's shared secret: --secret-file PATH or LLM_BACKEND_SECRET"
+        )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if not args.handshake_timeout > 0:
+        raise ValueError("--handshake-timeout must be > 0")
+    tls = None
+    if args.tls_cert is not None:
+        if not tcp:
+            raise ValueError("TLS needs a tcp:// listener")
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            tls.load_cert_chain(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the TLS certificate {args.tls_cert}: {exc}") from None
+    return LinkConfig(secret=secret, tls=tls, handshake_timeout=args.handshake_timeout)
 
 
 def load_reason(model: str, exc: BaseException) -> str:
@@ -127,14 +197,16 @@ def load_reason(model: str, exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the backend until Shutdown or a signal; the exit statuses are in the module docstring."""
     args = build_parser().parse_args(argv)
-    from backend.protocol import EXIT_MODEL_LOAD_FAILED, load_error_line
+    from backend.protocol import EXIT_MODEL_LOAD_FAILED, SECRET_ENV, load_error_line
     from backend.server import Server, install_signal_handlers, parse_listen
 
     try:
-        parse_listen(args.listen)
+        family, _ = parse_listen(args.listen)
+        link = link_config(args, family, dict(os.environ))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    os.environ.pop(SECRET_ENV, None)  # read: what the backend starts does not inherit it
     if args.max_num_batched_tokens < args.max_num_seqs:
         print("error: --max-num-batched-tokens must be >= --max-num-seqs", file=sys.stderr)
         return 2
@@ -170,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         name = model or "(default model)"
         print(load_error_line(name, load_reason(name, exc)), file=sys.stderr, flush=True)
         return EXIT_MODEL_LOAD_FAILED
-    server = Server(engine, args.listen)
+    server = Server(engine, args.listen, link)
     install_signal_handlers(server)
     server.serve_forever()
     return 0

@@ -9,25 +9,63 @@ encoded as msgpack and sent as a frame::
     +----------------------+------------------------------+
 
 N is at most ``MAX_FRAME_BYTES`` (a larger frame is a protocol error; the
-receiver closes the connection). New fields get defaults so that an older
-peer can still decode; the handshake (``Hello`` -> ``Ready``) carries
-``PROTOCOL_VERSION`` and a peer with another major version is refused.
+receiver closes the connection); during the handshake at most
+``MAX_HANDSHAKE_FRAME_BYTES``. New fields get defaults so that an older
+peer can still decode; the handshake carries ``PROTOCOL_VERSION`` and a peer
+with another major version is refused. A change to the handshake itself
+(messages, order, proofs) bumps ``PROTOCOL_VERSION``.
+
+Handshake (version 2): mutual challenge-response with HMAC-SHA256 over both
+sides' fresh nonces, the client's proof first and the server's after it, as
+in SCRAM (RFC 5802, ``ClientProof`` then ``ServerSignature``) and in the
+HMAC challenge of RFC 2195. ``K`` is the shared secret (``load_secret``), never
+sent; ``Nc``/``Ns`` are ``NONCE_BYTES`` random bytes each (``secrets``) chosen per
+connection by the gateway and the backend::
+
+    gateway                                           backend
+      Hello{version, features, nonce=Nc}      -->
+                                              <--     Challenge{nonce=Ns}
+      Proof{proof=HMAC(K, "gateway" 0 Nc Ns)} -->     compare_digest, else Fatal + close
+                                              <--     Ready{..., proof=HMAC(K, "backend" 0 Nc Ns)}
+      compare_digest, else close
+
+``proof_of`` computes both proofs (the role label keeps one side's proof from
+being replayed as the other's). The backend reads nothing but ``Hello`` and
+``Proof`` before the gateway's proof checks out, and gives the whole exchange
+``HANDSHAKE_TIMEOUT_S``; a missing, wrong or late proof, or any other frame,
+closes the connection (one log line; ``Fatal`` names no detail). A backend
+without a secret (a unix socket, protected by its file permissions) answers
+``Hello`` with ``Ready`` at once and no proof; a gateway that holds a secret
+for that backend refuses such an answer (``AuthenticationFailed``), so a fake
+backend cannot collect prompts. The handshake authenticates the two ends; the
+frames after it are protected only by TLS (``--tls-cert``/``--tls-key``, a
+``tls://`` backend URL), which a link over an untrusted network needs.
 
 This module imports no torch: the gateway and plain-Python tests use it.
 Source followed: msgspec's tagged unions
-(https://jcristharif.com/msgspec/structs.html#tagged-unions).
+(https://jcristharif.com/msgspec/structs.html#tagged-unions); RFC 5802 section 3
+(the proofs), RFC 2104 (HMAC).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
+import socket
 import struct
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the authenticated handshake (Challenge, Proof, Ready.proof)
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # bytes
+MAX_HANDSHAKE_FRAME_BYTES = 4096  # bytes: the largest frame read before the peer is authenticated
+NONCE_BYTES = 32  # random bytes of each side's handshake nonce
+HANDSHAKE_TIMEOUT_S = 5.0  # seconds the backend gives a connection to complete the handshake
+MIN_SECRET_BYTES = 16  # a shorter shared secret is refused
+SECRET_ENV = "LLM_BACKEND_SECRET"  # environment variable holding the shared secret itself
 _HEADER = struct.Struct(">I")
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -62,6 +100,80 @@ class ProtocolError(Exception):
 
 class FrameTooLarge(ProtocolError):
     """A frame header announced more than ``MAX_FRAME_BYTES`` bytes."""
+
+
+class AuthenticationFailed(ProtocolError):
+    """The handshake's proof was missing or wrong (either side), or one side needs a secret the other lacks."""
+
+
+# ----------------------------------------------------------------------------- the shared secret
+
+
+def load_secret(path: str | None, environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The shared secret: the contents of ``path`` (surrounding whitespace removed), else the environment
+    variable ``SECRET_ENV``, else None.
+
+    Raises:
+        ValueError: the file cannot be read, or the secret is shorter than ``MIN_SECRET_BYTES`` (one line
+            naming the file or the variable).
+    """
+    if path:
+        try:
+            with open(path, "rb") as f:
+                secret, source = f.read().strip(), f"secret file {path}"
+        except OSError as exc:
+            raise ValueError(f"cannot read the secret file {path}: {exc.strerror or exc}") from None
+    elif environ.get(SECRET_ENV):
+        secret, source = environ[SECRET_ENV].strip().encode(), f"environment variable {SECRET_ENV}"
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the {source} holds {len(secret)} bytes; a secret needs at least {MIN_SECRET_BYTES}"
+        )
+    return secret
+
+
+def keepalive_options(idle_s: int, interval_s: int, count: int) -> list[tuple[int, int, int]]:
+    """``(level, option, value)`` triples for ``setsockopt`` that turn on TCP keepalive: a probe after
+    ``idle_s`` seconds of silence, then every ``interval_s`` seconds, the peer dead after ``count`` unanswered
+    (tcp(7); the ``TCP_KEEP*`` options this platform has)."""
+    opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, name):
+            opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    return opts
+
+
+def new_nonce() -> bytes:
+    """``NONCE_BYTES`` fresh random bytes (``os.urandom``, what ``secrets.token_bytes`` reads)."""
+    return os.urandom(NONCE_BYTES)
+
+
+def proof_of(
+    role: Literal["gateway", "backend"], secret: bytes, client_nonce: bytes, server_nonce: bytes
+) -> bytes:
+    """``HMAC-SHA256(secret, role || 0x00 || client_nonce || server_nonce)``: 32 bytes.
+
+    Raises:
+        AuthenticationFailed: a nonce is not ``NONCE_BYTES`` long (fixed lengths keep the concatenation
+            unambiguous).
+    """
+    if len(client_nonce) != NONCE_BYTES or len(server_nonce) != NONCE_BYTES:
+        raise AuthenticationFailed(f"handshake nonces must be {NONCE_BYTES} bytes")
+    return hmac.new(secret, role.encode() + b"\0" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def proof_matches(
+    proof: bytes, role: Literal["gateway", "backend"], secret: bytes, client_nonce: bytes, server_nonce: bytes
+) -> bool:
+    """Whether ``proof`` is ``proof_of(role, ...)``, compared in constant time (``hmac.compare_digest``);
+    False for bad nonces."""
+    try:
+        expected = proof_of(role, secret, client_nonce, server_nonce)
+    except AuthenticationFailed:
+        return False
+    return hmac.compare_digest(proof, expected)
 
 
 # ----------------------------------------------------------------------------- shared structs
@@ -201,11 +313,19 @@ def grammar_key(kind: str, source: str) -> str:
 
 
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
-    """First message of a connection; the backend answers ``Ready`` or ``Fatal``."""
+    """First message of a connection; the backend answers ``Challenge`` (it has a secret), ``Ready`` or
+    ``Fatal``. ``nonce``: the gateway's ``NONCE_BYTES`` random bytes (``Nc`` of the module docstring)."""
 
     version: int = PROTOCOL_VERSION
     client: str = "gateway"
     features: list[str] = []  # capability flags the gateway uses (FEATURE_*)
+    nonce: bytes = b""
+
+
+class Proof(msgspec.Struct, tag="proof", kw_only=True):
+    """The gateway's answer to ``Challenge``: ``proof_of("gateway", K, Nc, Ns)`` (32 bytes)."""
+
+    proof: bytes
 
 
 class Submit(msgspec.Struct, tag="submit", kw_only=True):
@@ -248,13 +368,21 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     """Stop the backend process after aborting everything in flight."""
 
 
-ToBackend = Hello | Submit | Abort | GetStats | Shutdown
+ToBackend = Hello | Proof | Submit | Abort | GetStats | Shutdown
+Handshake = Hello | Proof  # what the backend decodes before the gateway is authenticated
 
 # ----------------------------------------------------------------------------- from the backend
 
 
+class Challenge(msgspec.Struct, tag="challenge", kw_only=True):
+    """The backend's answer to ``Hello`` when it has a secret: its ``NONCE_BYTES`` random bytes (``Ns``)."""
+
+    nonce: bytes
+
+
 class Ready(msgspec.Struct, tag="ready", kw_only=True):
-    """Handshake answer: protocol version, model card and KV capacity."""
+    """Handshake answer: protocol version, model card and KV capacity. ``proof``: after a ``Challenge``,
+    ``proof_of("backend", K, Nc, Ns)``; empty from a backend without a secret."""
 
     version: int
     model_card: ModelCard
@@ -263,6 +391,7 @@ class Ready(msgspec.Struct, tag="ready", kw_only=True):
     max_num_seqs: int
     max_num_batched_tokens: int
     features: list[str] = []  # capability flags the backend serves (FEATURE_*)
+    proof: bytes = b""
 
 
 class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -333,7 +462,7 @@ class Fatal(msgspec.Struct, tag="fatal", kw_only=True):
     message: str
 
 
-FromBackend = Ready | StepOutputs | RequestError | Stats | Fatal
+FromBackend = Challenge | Ready | StepOutputs | RequestError | Stats | Fatal
 
 
 # ----------------------------------------------------------------------------- framing

@@ -8,18 +8,37 @@ Threads:
   is work, and hands the step's outputs, batched per connection into one
   ``StepOutputs`` frame, to the writers. With no work it blocks on the inbox.
 * **acceptor thread** - accepts connections (the gateway may reconnect).
-* per connection, a **reader thread** (recv -> ``FrameDecoder`` -> inbox) and
+* per connection, a **reader thread** (TLS handshake, the protocol's handshake,
+  then recv -> ``FrameDecoder`` -> inbox) and, once the peer is authenticated,
   a **writer thread** (outbox queue -> ``sendall``).
 
-Protocol handling: the first message must be ``Hello`` with our
-``PROTOCOL_VERSION`` (else ``Fatal`` + close). A frame that does not decode
+Handshake (``backend.protocol`` module docstring), all in the reader thread
+before the main thread hears of the connection: the first frame must be
+``Hello`` with our ``PROTOCOL_VERSION``; with a secret (``LinkConfig.secret``,
+required on TCP) a ``Challenge`` follows and the peer's ``Proof`` must match
+(``hmac.compare_digest``). Frames are read one at a time, each at most
+``MAX_HANDSHAKE_FRAME_BYTES``, and the whole exchange (TLS included) within
+``LinkConfig.handshake_timeout``; at most ``MAX_PENDING_HANDSHAKES`` run at once
+(more connections are closed at once). A failure writes one line to stderr
+(``backend: refused <peer>: <reason>``), sends ``Fatal`` and closes; no frame
+after the failing one is read. Only an authenticated connection reaches the
+inbox (``open``, then its ``Hello``, answered ``Ready`` with the backend's
+proof by the main thread).
+
+Protocol handling after it: a frame that does not decode
 but carries a ``request_id`` gets a ``RequestError`` for that request only; a
 frame without one, or an oversized frame, is connection-level garbage:
 ``Fatal`` + close. When a connection closes, everything it submitted is
 aborted. ``Shutdown`` or SIGTERM/SIGINT: abort all, close, exit 0.
 
+TLS (``LinkConfig.tls``, an ``ssl.SSLContext``): the socket is wrapped in the
+reader thread; after the handshake it is non-blocking and each ``recv``/``send``
+runs under one lock (``_TLSIO``), since one ``SSLSocket`` must not be used by
+two threads at once; waits (``select``) happen outside the lock.
+
 Source followed: vLLM v1 ``EngineCoreProc`` (busy loop + I/O threads around
-ZMQ sockets), here over plain stream sockets with ``backend.protocol`` frames.
+ZMQ sockets), here over plain stream sockets with ``backend.protocol`` frames;
+Python's ``ssl`` module ("Notes on non-blocking sockets").
 """
 
 from __future__ import annotations
@@ -27,16 +46,29 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import select
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
 import traceback
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from backend import protocol as P
-from backend.engine import Engine
+
+if TYPE_CHECKING:
+    from backend.engine import Engine
+
+MAX_PENDING_HANDSHAKES = 64  # connections that may be in their handshake at once
+TLS_WAIT_S = 1.0  # seconds a TLS reader waits on select before it asks the SSL object again
+# TCP keepalive on accepted connections (tcp(7)): probes after KEEPIDLE s idle, every KEEPINTVL s, KEEPCNT of
+# them: a vanished gateway's requests are aborted within about 10 s
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 5, 2, 3
 
 
 def parse_listen(addr: str) -> tuple[int, Any]:
@@ -60,15 +92,101 @@ def parse_listen(addr: str) -> tuple[int, Any]:
     raise ValueError(f"--listen must be unix:PATH or tcp://HOST:PORT, got {addr!r}")
 
 
+@dataclass(frozen=True)
+class LinkConfig:
+    """How connections are admitted: ``secret`` (the shared secret, bytes; None: no proof asked), ``tls`` (a
+    server ``ssl.SSLContext`` or None) and ``handshake_timeout`` (seconds for TLS + the protocol handshake)."""
+
+    secret: bytes | None = None
+    tls: ssl.SSLContext | None = None
+    handshake_timeout: float = P.HANDSHAKE_TIMEOUT_S
+
+
+class HandshakeRefused(Exception):
+    """The peer failed the handshake; ``str()`` is the log reason, ``fatal`` the text sent in ``Fatal``."""
+
+    def __init__(self, reason: str, fatal: str = "handshake failed") -> None:
+        super().__init__(reason)
+        self.fatal = fatal
+
+
+_handshake_decoder = msgspec.msgpack.Decoder(P.Handshake)
+
+
+class _TLSIO:
+    """``recv``/``sendall`` on a non-blocking ``SSLSocket`` shared by a reader and a writer thread: each SSL
+    call runs under one lock, and the waits for the socket (``select``) outside it."""
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        sock.setblocking(False)
+
+    def _wait(self, want_write: bool, timeout: float | None) -> None:
+        fd = self.sock.fileno()
+        if fd < 0:
+            raise OSError("socket closed")
+        try:
+            select.select([] if want_write else [fd], [fd] if want_write else [], [], timeout)
+        except ValueError as exc:  # closed by the other thread meanwhile
+            raise OSError(str(exc)) from None
+
+    def recv(self, n: int) -> bytes:
+        while True:
+            with self.lock:
+                try:
+                    return self.sock.recv(n)
+                except ssl.SSLWantReadError:
+                    want_write = False
+                except ssl.SSLWantWriteError:
+                    want_write = True
+                except ssl.SSLZeroReturnError:
+                    return b""
+                except ValueError as exc:  # closed by the writer thread
+                    raise OSError(str(exc)) from None
+            self._wait(want_write, TLS_WAIT_S)  # the timeout covers records the writer's call took in
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            with self.lock:
+                try:
+                    view = view[self.sock.send(view) :]
+                    continue
+                except ssl.SSLWantWriteError:
+                    want_write = True
+                except ssl.SSLWantReadError:
+                    want_write = False
+                except ValueError as exc:
+                    raise OSError(str(exc)) from None
+            self._wait(want_write, TLS_WAIT_S)
+
+
 class Connection:
-    """One accepted socket with its reader and writer threads."""
+    """One accepted socket with its reader and writer threads (the writer starts after the handshake).
+
+    ``ready_proof``: the backend's ``Ready.proof`` for this connection (set by the reader's handshake).
+    """
 
     _ids = itertools.count(1)
 
-    def __init__(self, sock: socket.socket, inbox: queue.Queue) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        inbox: queue.Queue,
+        *,
+        link: LinkConfig = LinkConfig(),
+        peer: str = "",
+        gate: threading.BoundedSemaphore | None = None,
+    ) -> None:
         self.id = next(self._ids)
         self.sock = sock
+        self.io: socket.socket | _TLSIO = sock
         self.inbox = inbox
+        self.link = link
+        self.peer = peer or f"connection {self.id}"
+        self._gate = gate
+        self.ready_proof = b""
         self.outbox: queue.Queue[bytes | None] = queue.Queue()
         self.greeted = False  # main thread only
         self.closed = False  # main thread only
@@ -77,14 +195,104 @@ class Connection:
 
     def start(self) -> None:
         self.reader.start()
+
+    # reader thread: the handshake
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HandshakeRefused("handshake timed out", "handshake timed out")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(n - len(buf))
+            except TimeoutError:
+                raise HandshakeRefused("handshake timed out", "handshake timed out") from None
+            if not data:
+                raise HandshakeRefused("closed during the handshake")
+            buf += data
+        return bytes(buf)
+
+    def _handshake_frame(self, deadline: float, refusal: HandshakeRefused) -> P.Hello | P.Proof:
+        """The next frame, a ``Hello`` or a ``Proof``; ``refusal`` is raised for any other frame."""
+        (n,) = P._HEADER.unpack(self._recv_exact(4, deadline))
+        if n > P.MAX_HANDSHAKE_FRAME_BYTES:
+            raise HandshakeRefused(f"{refusal} (a frame of {n} bytes)", refusal.fatal)
+        try:
+            return _handshake_decoder.decode(self._recv_exact(n, deadline))
+        except msgspec.DecodeError:
+            raise refusal from None
+
+    def _send_now(self, msg: msgspec.Struct) -> None:
+        """Write one frame from the reader thread (before the writer runs)."""
+        try:
+            self.sock.sendall(P.encode_frame(msg))
+        except OSError:
+            pass
+
+    def _handshake(self) -> P.Hello:
+        """TLS, then ``Hello`` [-> ``Challenge``, ``Proof``]; returns the ``Hello``. Raises HandshakeRefused,
+        OSError."""
+        link = self.link
+        deadline = time.monotonic() + link.handshake_timeout
+        if link.tls is not None:
+            self.sock.settimeout(link.handshake_timeout)
+            try:
+                self.sock = link.tls.wrap_socket(self.sock, server_side=True)
+            except (ssl.SSLError, TimeoutError) as exc:
+                raise HandshakeRefused(f"TLS handshake failed: {exc}", "") from None
+        no_hello = HandshakeRefused("a message before Hello", "expected Hello first")
+        hello = self._handshake_frame(deadline, no_hello)
+        if not isinstance(hello, P.Hello):
+            raise no_hello
+        if hello.version != P.PROTOCOL_VERSION:
+            message = f"protocol version {hello.version} not supported (backend speaks {P.PROTOCOL_VERSION})"
+            raise HandshakeRefused(message, message)
+        if link.secret is not None:
+            server_nonce = P.new_nonce()
+            self._send_now(P.Challenge(nonce=server_nonce))
+            refused = "wrong or missing proof of the shared secret"
+            no_proof = HandshakeRefused("no proof of the secret", refused)
+            proof = self._handshake_frame(deadline, no_proof)
+            if not isinstance(proof, P.Proof):
+                raise no_proof
+            if not P.proof_matches(proof.proof, "gateway", link.secret, hello.nonce, server_nonce):
+                raise HandshakeRefused("wrong proof of the secret", refused)
+            self.ready_proof = P.proof_of("backend", link.secret, hello.nonce, server_nonce)
+        self.sock.settimeout(None)
+        if isinstance(self.sock, ssl.SSLSocket):
+            self.io = _TLSIO(self.sock)
+        else:
+            self.io = self.sock
+        return hello
+
+    def _admit(self) -> bool:
+        """Run the handshake; on success start the writer and hand the connection to the main thread."""
+        try:
+            hello = self._handshake()
+        except (HandshakeRefused, OSError) as exc:
+            fatal = exc.fatal if isinstance(exc, HandshakeRefused) else ""
+            print(f"backend: refused {self.peer}: {exc}", file=sys.stderr, flush=True)
+            if fatal:
+                self._send_now(P.Fatal(message=fatal))
+            _close_socket(self.sock)
+            return False
+        finally:
+            if self._gate is not None:
+                self._gate.release()
         self.writer.start()
+        self.inbox.put(("open", self, None))
+        self.inbox.put(("msg", self, (hello, time.monotonic())))
+        return True
 
     # reader thread
     def _read(self) -> None:
+        if not self._admit():
+            return
         dec = P.to_backend_decoder()
         try:
             while True:
-                data = self.sock.recv(1 << 16)
+                data = self.io.recv(1 << 16)
                 if not data:
                     break
                 while True:
@@ -116,15 +324,11 @@ class Connection:
                 frame = self.outbox.get()
                 if frame is None:
                     break
-                self.sock.sendall(frame)
+                self.io.sendall(frame)
         except OSError:
             pass
         finally:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self.sock.close()
+            _close_socket(self.sock)
 
     # main thread
     def send(self, msg: Any) -> None:
@@ -137,12 +341,25 @@ class Connection:
             self.outbox.put(None)
 
 
-class Server:
-    """Listens, accepts connections and runs the engine's busy loop in the calling (main) thread."""
+def _close_socket(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
-    def __init__(self, engine: Engine, listen: str) -> None:
+
+class Server:
+    """Listens, accepts connections and runs the engine's busy loop in the calling (main) thread.
+
+    ``link``: the secret, TLS context and handshake timeout every connection is admitted with.
+    """
+
+    def __init__(self, engine: Engine, listen: str, link: LinkConfig = LinkConfig()) -> None:
         self.engine = engine
         self.listen = listen
+        self.link = link
+        self._gate = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self.inbox: queue.Queue = queue.Queue()
         self.conns: set[Connection] = set()
         self._stop = False
@@ -160,21 +377,27 @@ class Server:
     def bound_address(self) -> str:
         if self.family == socket.AF_UNIX:
             return f"unix:{self.bound}"
-        return f"tcp://{self.bound[0]}:{self.bound[1]}"
+        return f"{'tls' if self.link.tls else 'tcp'}://{self.bound[0]}:{self.bound[1]}"
 
     # ------------------------------------------------------------------ threads
 
     def _accept(self) -> None:
         while True:
             try:
-                sock, _ = self.lsock.accept()
+                sock, addr = self.lsock.accept()
             except OSError:
                 return
+            peer = "unix peer"
             if self.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock, self.inbox)
-            self.inbox.put(("open", conn, None))
-            conn.start()
+                for opt in P.keepalive_options(KEEPIDLE_S, KEEPINTVL_S, KEEPCNT):
+                    sock.setsockopt(*opt)
+                peer = f"{addr[0]}:{addr[1]}"
+            if not self._gate.acquire(blocking=False):
+                print(f"backend: refused {peer}: too many handshakes at once", file=sys.stderr, flush=True)
+                _close_socket(sock)
+                continue
+            Connection(sock, self.inbox, link=self.link, peer=peer, gate=self._gate).start()
 
     def request_stop(self, *_: Any) -> None:
         """Signal handler / Shutdown: stop after aborting everything."""
@@ -189,6 +412,7 @@ class Server:
         eng = self.engine
         print(
             f"backend ready: listening on {self.bound_address()} model={eng.card.name} "
+            f"auth={'hmac' if self.link.secret else 'none'} "
             f"device={eng.card.device} dtype={eng.card.dtype} kv_blocks={eng.block_manager.num_blocks} "
             f"block_size={eng.block_manager.block_size} pid={os.getpid()}",
             file=sys.stderr,
@@ -278,27 +502,20 @@ class Server:
                 self._fatal(conn, "expected Hello first")
             return
         msg, received = payload  # received: monotonic time the reader thread decoded it
-        if not conn.greeted:
-            if isinstance(msg, P.Hello) and msg.version == P.PROTOCOL_VERSION:
-                conn.greeted = True
-                conn.send(
-                    P.Ready(
-                        version=P.PROTOCOL_VERSION,
-                        model_card=eng.card,
-                        kv_blocks_total=eng.block_manager.num_blocks,
-                        block_size=eng.block_manager.block_size,
-                        max_num_seqs=eng.max_num_seqs,
-                        max_num_batched_tokens=eng.max_num_batched_tokens,
-                        features=eng.features,
-                    )
+        if not conn.greeted:  # the reader admitted it: its first message is a checked Hello
+            conn.greeted = True
+            conn.send(
+                P.Ready(
+                    version=P.PROTOCOL_VERSION,
+                    model_card=eng.card,
+                    kv_blocks_total=eng.block_manager.num_blocks,
+                    block_size=eng.block_manager.block_size,
+                    max_num_seqs=eng.max_num_seqs,
+                    max_num_batched_tokens=eng.max_num_batched_tokens,
+                    features=eng.features,
+                    proof=conn.ready_proof,
                 )
-            elif isinstance(msg, P.Hello):
-                self._fatal(
-                    conn,
-                    f"protocol version {msg.version} not supported (backend speaks {P.PROTOCOL_VERSION})",
-                )
-            else:
-                self._fatal(conn, "expected Hello first")
+            )
             return
         if isinstance(msg, P.Submit):
             try:
@@ -320,8 +537,8 @@ class Server:
             conn.send(eng.stats(msg.nonce))
         elif isinstance(msg, P.Shutdown):
             self.request_stop()
-        elif isinstance(msg, P.Hello):
-            self._fatal(conn, "duplicate Hello")
+        elif isinstance(msg, (P.Hello, P.Proof)):
+            self._fatal(conn, f"unexpected {type(msg).__name__} after the handshake")
 
     def _shutdown(self) -> None:
         for owner, out in self.engine.abort_all():
@@ -347,4 +564,4 @@ def install_signal_handlers(server: Server) -> None:
     signal.signal(signal.SIGINT, server.request_stop)
 
 
-__all__ = ["Server", "Connection", "parse_listen", "install_signal_handlers", "time"]
+__all__ = ["Server", "Connection", "LinkConfig", "parse_listen", "install_signal_handlers", "time"]

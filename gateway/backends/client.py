@@ -25,6 +25,11 @@ Request handlers use ``open_request()`` (synchronous; it queues the
 and under cancellation: leaving a handle before its last output sends
 ``Abort``.
 
+``connect`` runs the handshake of ``backend/protocol.py`` (Hello with a fresh nonce; with a secret, the
+``Proof`` answer to the backend's ``Challenge`` and a check of ``Ready.proof`` with ``hmac.compare_digest``).
+Any failure there closes the stream and raises ``ProtocolError``; a refused or missing proof raises
+``AuthenticationFailed``, which the supervisor does not retry at first start.
+
 When the connection ends (EOF, protocol error, ``Fatal``), every pending
 request fails with ``BackendUnavailable`` (HTTP 503 before streaming, an
 error event mid-stream) and the mailbox closes; the supervisor decides what
@@ -47,11 +52,14 @@ from backend.protocol import (
     FEATURE_GRAMMAR,
     PROTOCOL_VERSION,
     Abort,
+    AuthenticationFailed,
+    Challenge,
     Fatal,
     FrameDecoder,
     FromBackend,
     GetStats,
     Hello,
+    Proof,
     ProtocolError,
     Ready,
     RequestError,
@@ -62,8 +70,11 @@ from backend.protocol import (
     ToBackend,
     encode_frame,
     from_backend_decoder,
+    new_nonce,
+    proof_matches,
+    proof_of,
 )
-from gateway.backends.address import open_backend_stream
+from gateway.backends.address import LinkCredentials, is_network_url, open_backend_stream
 from gateway.backends.request import (
     DEFAULT_MAX_BACKLOG,
     DEFAULT_REQUEST_BUFFER,
@@ -113,40 +124,82 @@ class BackendClient:
     # ------------------------------------------------------------------ construction
     @classmethod
     async def connect(
-        cls, url: str, *, timeout: float = 30.0, request_buffer: int = DEFAULT_REQUEST_BUFFER
+        cls,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        request_buffer: int = DEFAULT_REQUEST_BUFFER,
+        credentials: LinkCredentials | None = None,
     ) -> BackendClient:
-        """Connect to ``url``, send ``Hello``, wait for ``Ready``.
+        """Connect to ``url`` and run the handshake (module docstring) within ``timeout`` seconds.
+
+        ``credentials.secret`` answers the backend's ``Challenge``; on a TCP or TLS link a secret is
+        required and the backend must prove it too (a unix-socket backend may skip the proof).
 
         Raises:
             OSError: nothing listens at ``url``.
+            AuthenticationFailed: the backend refused our proof, gave none or a wrong one, or asked for a
+                secret we do not have (or we have none for a TCP link).
             ProtocolError: the backend answered ``Fatal``, another protocol version, or garbage.
+            trio.BrokenResourceError: the TLS handshake failed (e.g. the certificate does not verify).
             trio.TooSlowError: no ``Ready`` within ``timeout`` seconds.
         """
-        stream = await open_backend_stream(url)
+        credentials = credentials or LinkCredentials()
+        secret = credentials.secret
+        network = is_network_url(url)
+        if network and secret is None:
+            raise AuthenticationFailed(
+                f"backend {url} is a network link: the gateway needs its shared secret "
+                "(backend_secret_file or LLM_BACKEND_SECRET)"
+            )
         decoder = from_backend_decoder()
+        buffered: list = []
+
+        async def receive() -> FromBackend:
+            while not buffered:
+                data = await stream.receive_some(65536)
+                if not data:
+                    raise ProtocolError("backend closed the connection during the handshake")
+                buffered.extend(decoder.feed(data))
+            return buffered.pop(0)
+
+        with trio.fail_after(timeout):
+            stream = await open_backend_stream(url, credentials.tls)
         try:
             with trio.fail_after(timeout):
-                await stream.send_all(encode_frame(Hello(features=[FEATURE_GRAMMAR])))
-                buffered: list = []
-                while not buffered:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        raise ProtocolError("backend closed the connection during the handshake")
-                    buffered = decoder.feed(data)
-            first = buffered[0]
-            if isinstance(first, Fatal):
-                raise ProtocolError(f"backend refused the handshake: {first.message}")
-            if not isinstance(first, Ready):
-                raise ProtocolError(f"expected Ready, got {type(first).__name__}")
-            if first.version != PROTOCOL_VERSION:
+                nonce = new_nonce()
+                await stream.send_all(encode_frame(Hello(features=[FEATURE_GRAMMAR], nonce=nonce)))
+                first = await receive()
+                challenged = isinstance(first, Challenge)
+                if challenged:
+                    if secret is None:
+                        raise AuthenticationFailed(
+                            f"backend {url} asks for a shared secret (backend_secret_file or LLM_BACKEND_SECRET)"
+                        )
+                    await stream.send_all(
+                        encode_frame(Proof(proof=proof_of("gateway", secret, nonce, first.nonce)))
+                    )
+                    reply = await receive()
+                else:
+                    reply = first
+            if isinstance(reply, Fatal):
+                error = AuthenticationFailed if challenged else ProtocolError
+                raise error(f"backend {url} refused the handshake: {reply.message}")
+            if not isinstance(reply, Ready):
+                raise ProtocolError(f"expected Ready, got {type(reply).__name__}")
+            if reply.version != PROTOCOL_VERSION:
                 raise ProtocolError(
-                    f"backend protocol version {first.version}, gateway speaks {PROTOCOL_VERSION}"
+                    f"backend protocol version {reply.version}, gateway speaks {PROTOCOL_VERSION}"
                 )
+            if challenged and not proof_matches(reply.proof, "backend", secret, nonce, first.nonce):
+                raise AuthenticationFailed(f"backend {url} gave a wrong proof of the shared secret")
+            if network and not challenged:
+                raise AuthenticationFailed(f"backend {url} did not prove the shared secret (it has none)")
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        client = cls(stream, first, url=url, request_buffer=request_buffer, decoder=decoder)
-        for extra in buffered[1:]:
+        client = cls(stream, reply, url=url, request_buffer=request_buffer, decoder=decoder)
+        for extra in buffered:
             client._dispatch(extra)
         return client
 
@@ -339,5 +392,5 @@ class BackendClient:
             self.closed_reason = f"backend fatal: {msg.message}"
             log.error("backend %s: fatal: %s", self.url, msg.message)
             self.alive = False
-        elif isinstance(msg, Ready):
+        elif isinstance(msg, (Ready, Challenge)):
             pass

@@ -59,8 +59,9 @@ class BackendProcess:
         self._stderr_fd: int | None = stderr_fd
 
     @classmethod
-    def spawn(cls, cmd: list[str]) -> BackendProcess:
-        """Start ``cmd`` (stdin /dev/null, stdout inherited, stderr a pipe to ``relay_stderr``).
+    def spawn(cls, cmd: list[str], env: dict[str, str] | None = None) -> BackendProcess:
+        """Start ``cmd`` (stdin /dev/null, stdout inherited, stderr a pipe to ``relay_stderr``; ``env``: its
+        environment, None: ours; a secret goes there, never on the command line).
 
         Must run in the Trio thread: PR_SET_PDEATHSIG fires when the *forking thread* exits, so a worker
         thread (what ``trio.lowlevel.open_process`` uses) would kill the backend when it is recycled.
@@ -74,6 +75,7 @@ class BackendProcess:
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stderr=w,
+                env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
