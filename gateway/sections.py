@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from auth.store import check_location
-from gateway.backends.address import parse_backend_url
+from gateway.backends.address import link_credentials, parse_backend_url
 from ratelimit.redis_client import redis_connection
 
 
@@ -59,8 +59,19 @@ class BackendSettings(Section):
     model: Annotated[str | None, _opt("model path (GGUF file or HF dir); default: the default model")] = None
     tokenizer: Annotated[str | None, _opt("tokenizer/template source (default: the model)")] = None
     backend_url: Annotated[
-        list[str], _opt("unix:PATH or tcp://HOST:PORT of a running backend; none is spawned then")
+        list[str],
+        _opt("unix:PATH, tcp://HOST:PORT or tls://HOST:PORT of a running backend; none is spawned then"),
     ] = []
+    backend_secret_file: Annotated[
+        str | None,
+        _opt(
+            "file holding the shared secret of tcp:// and tls:// backend links (default: $LLM_BACKEND_SECRET)"
+        ),
+    ] = None
+    backend_tls_ca_file: Annotated[
+        str | None,
+        _opt("CA certificates (PEM) that tls:// backends are verified with (default: the system's)"),
+    ] = None
     backends: Annotated[int, _opt("backend processes to spawn (without --backend-url)", ge=1)] = 1
     backend_wait: Annotated[float, _opt("seconds a request waits for a restarting backend", ge=0)] = 30.0
     backend_startup_timeout: Annotated[float, _opt("seconds a spawned backend gets to be ready", gt=0)] = (
@@ -93,6 +104,8 @@ class BackendSettings(Section):
     def __post_init__(self) -> None:
         for url in self.backend_url:
             parse_backend_url(url)  # ValueError: a clear message naming the URL
+        # ValueError: an unreadable or short secret file, a CA file that does not load
+        link_credentials(self.backend_secret_file, self.backend_tls_ca_file, {})
 
 
 class TenancySettings(Section):

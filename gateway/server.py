@@ -42,6 +42,7 @@ from hypercorn.trio import serve as hyper_serve
 from auth.errors import StoreUnavailable
 from backend.model_path import default_model_path
 from gateway.app import build_app
+from gateway.backends.address import link_credentials
 from gateway.backends.pool import BackendPool
 from gateway.backends.supervisor import BackendStartError, BackendSupervisor, SpawnSpec
 from gateway.filters import TenantFilters
@@ -63,7 +64,11 @@ def backend_pool(settings: Settings, model: str | None) -> BackendPool:
     if b.backend_url:
         sups = [
             BackendSupervisor(
-                url=u, name=f"backend-{i}", request_buffer=b.request_buffer, max_failures=b.max_failures
+                url=u,
+                name=f"backend-{i}",
+                request_buffer=b.request_buffer,
+                max_failures=b.max_failures,
+                credentials=link_credentials(b.backend_secret_file, b.backend_tls_ca_file),
             )
             for i, u in enumerate(b.backend_url)
         ]
