@@ -79,7 +79,7 @@ def parse_backend_url(url: str) -> tuple[Literal["unix", "tcp", "tls"], str | tu
             if not sep or not port.isdigit():
                 raise ValueError(f"backend url {url!r} lacks a port")
             return kind, (host.strip("[]") or "127.0.0.1", int(port))  # type: ignore[return-value]
-    raise ValueError(f"backend url must be unix:PATH, tcp://HOST:PORT or tls://HOST:PORT, got {url!r}")
+    raise ValueError(f"backend url must be unix:PATH or tcp://HOST:PORT (or tls://HOST:PORT), got {url!r}")
 
 
 def is_network_url(url: str) -> bool:
