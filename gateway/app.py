@@ -2,7 +2,8 @@
 
 Routes (all declared in ``build_app``):
     POST /v1/chat/completions, POST /v1/completions   OpenAI (gateway/openai/; stream or not, docs/gateway.md)
-    GET  /v1/models, /v1/models/{model_id}            the model card per served name (gateway/openai/models.py)
+    GET  /v1/models, /v1/models/{model_id}            every model and alias of the catalog the caller may use
+                                                      (gateway/openai/models.py, gateway/catalog.py)
     GET  /v1/inspect/{request_id}                     a request's inspection record (gateway/inspector/)
     GET  /health, /healthz, /readyz                   probes (gateway/probes.py; public)
     GET  /admin/v1/stats                              engine counters (admin key; gateway/probes.py)
@@ -16,7 +17,7 @@ Routes (all declared in ``build_app``):
 Request handling order (each step's failure is an OpenAI error object):
 auth (tenancy, when configured) -> body (413 over ``max_body_bytes``,
 chunked bodies included, counted while reading) -> JSON/types (400) ->
-model (404) -> ranges (400, ``param`` named) -> template + tokenize (400) ->
+model (404, resolved in the catalog for the tenant) -> ranges (400, ``param`` named) -> template + tokenize (400) ->
 context length (400 ``context_length_exceeded`` for a prompt that fills it, 400 ``invalid_value`` naming
 max_tokens for a limit that does not fit after the prompt) -> the ``CallResponse``
 producer: admission (429), backend pick (503), generation.
@@ -197,7 +198,7 @@ def build_app(gw: Gateway) -> GatewayApp:
     app.state.gateway = gw
     app.router.redirect_slashes = False  # a 307 built from the Host header would be an open redirect
     observed = ObservabilityMiddleware(app, gw.metrics, log_content=gw.settings.observability.log_content)
-    drain = DrainGate(observed, gw.pool)
+    drain = DrainGate(observed, gw.catalog)
     guarded = BodyGuard(drain, timeout=gw.config.body_timeout, stopping=drain.stopping)
 
     def methods_for(path: str) -> frozenset[str] | None:

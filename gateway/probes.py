@@ -1,8 +1,8 @@
 """Probes and engine stats: GET /health, /healthz, /readyz (public) and GET /admin/v1/stats (admin key).
 
 /health is liveness as in vLLM (200, empty body, while the process runs, during a drain too); /healthz
-is the same with ``{"status": "ok"}``; /readyz is readiness: 200 while a backend is ready and the gateway
-is not draining, else 503 with an OpenAI error body whose code says why.
+is the same with ``{"status": "ok"}``; /readyz is readiness: 200 while every native model of the catalog
+has a ready backend and the gateway is not draining, else 503 with an OpenAI error body whose code says why.
 """
 
 from __future__ import annotations
@@ -45,33 +45,38 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """GET /readyz: 200 ``{"status": "ready"}``, or 503 with a code: ``server_shutting_down`` (draining),
-    ``model_unavailable`` (every backend failed its restarts; with ``retry-after``, as a request gets it),
-    ``backend_unavailable`` (starting or restarting)."""
+    """GET /readyz: 200 ``{"status": "ready"}`` when every native model has a ready backend, or 503 with a
+    code: ``server_shutting_down`` (draining), ``model_unavailable`` (every backend of a model failed its
+    restarts; with ``retry-after``, as a request gets it), ``backend_unavailable`` (a model's backends are
+    starting or restarting); the message names the first model that is not ready."""
     gw: Gateway = request.app.state.gateway
-    if gw.pool.is_ready():
+    catalog = gw.catalog
+    if not catalog.draining and catalog.is_ready():
         return JSONResponse({"status": "ready"})
     err: APIError | None = None
-    if gw.pool.draining:
+    if catalog.draining:
         err = ServiceUnavailable("draining", code="server_shutting_down")
     else:
-        err = gw.pool.unavailable_error() or ServiceUnavailable(
-            "no backend ready", code="backend_unavailable"
+        waiting = next(m for m in catalog if not m.is_ready())
+        unavailable = waiting.pool.unavailable_error() if waiting.pool is not None else None
+        err = unavailable or ServiceUnavailable(
+            f"no backend of the model '{waiting.name}' ready", code="backend_unavailable"
         )
     return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
 
 async def admin_stats(request: Request) -> Response:
-    """GET /admin/v1/stats: the backends' ``Stats`` summed (counts; ``STATS_FIELDS``), device, attention
-    backend, per-backend supervisor state (``backends``) and ``draining``. Raises 401/403 without the
-    admin key."""
+    """GET /admin/v1/stats: the backends' ``Stats`` summed over every model (counts; ``STATS_FIELDS``), device,
+    attention backend, per-backend supervisor state (``backends``, each with its ``model``: the served name)
+    and ``draining``. Raises 401/403 without the admin key."""
     gw: Gateway = request.app.state.gateway
     await gw.check_admin(request)
     total: dict[str, Any] = {f: 0 for f in STATS_FIELDS}
     device = attention = None
     backends = []
-    for sup in gw.pool.supervisors:
-        info = sup.info()
+    served = [(m.name, sup) for m in gw.catalog if m.pool is not None for sup in m.pool.supervisors]
+    for model, sup in served:
+        info = sup.info() | {"model": model}
         c = sup.client
         if c is not None and c.alive:
             try:
@@ -84,7 +89,8 @@ async def admin_stats(request: Request) -> Response:
             except APIError as exc:
                 info["error"] = exc.message
         backends.append(info)
-    if device is None and gw.pool.card is not None:
-        device, attention = gw.pool.card.device, gw.pool.card.attention_backend
-    total.update(device=device, attention_backend=attention, backends=backends, draining=gw.pool.draining)
+    card = gw.catalog.default.card_or_none
+    if device is None and card is not None:
+        device, attention = card.device, card.attention_backend
+    total.update(device=device, attention_backend=attention, backends=backends, draining=gw.catalog.draining)
     return JSONResponse(total)

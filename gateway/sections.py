@@ -161,16 +161,64 @@ class ObservabilitySettings(Section):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
 
 
+class ModelSettings(Section):
+    """``[[models]]``: one served model (a TOML array of tables, or ``--serve-model``; gateway/catalog.py).
+
+    ``dtype``, ``kv_cache_memory`` and ``num_kv_blocks`` are ``python -m backend`` options of this model's
+    spawned backends, as is every entry of ``engine`` (``max_num_seqs = 8``); they override ``[engine]``.
+    ``upstream`` holds the settings of a model of another kind (``kind = "openai"``: read by that kind's
+    module), left unread for a native model.
+    """
+
+    name: Annotated[str, msgspec.Meta(description="the served name (the request's model)", min_length=1)]
+    aliases: Annotated[list[str], _opt("other names that resolve to this model")] = []
+    kind: Annotated[
+        str, _opt("native (this gateway's backends) or openai (an OpenAI-compatible upstream)")
+    ] = "native"
+    path: Annotated[str | None, _opt("model file (GGUF) or HF dir; default: the default model")] = None
+    backend_url: Annotated[
+        list[str],
+        _opt("unix:PATH, tcp:// or tls://HOST:PORT of a running backend of this model (none spawned)"),
+    ] = []
+    replicas: Annotated[int, _opt("backend processes to spawn (without backend_url)", ge=1)] = 1
+    dtype: Annotated[str | None, _opt("compute + KV dtype of the spawned backends")] = None
+    kv_cache_memory: Annotated[str | None, _opt("KV pool budget of each spawned backend (256MiB)")] = None
+    num_kv_blocks: Annotated[int, _opt("KV pool size in blocks of each spawned backend", ge=1)] | None = None
+    engine: Annotated[dict[str, str | int | float | bool], _opt("other python -m backend options")] = {}
+    tokenizer: Annotated[str | None, _opt("tokenizer source (GGUF file or HF dir); default: path")] = None
+    chat_template: Annotated[
+        str | None, _opt("Jinja chat template file; default: the tokenizer's (or the model file's)")
+    ] = None
+    context_length: (
+        Annotated[int, _opt("tokens a request may use (at most the backend's); default: the backend's", ge=1)]
+        | None
+    ) = None
+    upstream: Annotated[
+        dict[str, str | int | float | bool | list[str]], _opt("settings of another kind")
+    ] = {}
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("native", "openai"):
+            raise ValueError(f"kind must be native or openai, not {self.kind!r}")
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ValueError("give kv_cache_memory or num_kv_blocks, not both")
+        for url in self.backend_url:  # this model's own backends (the link's credentials: [backend])
+            parse_backend_url(url)  # ValueError: a clear message naming the URL
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Every option of the gateway. ``engine`` maps ``python -m backend`` option names (``num_kv_blocks``) to
     their command-line text, or True for a flag; only the options set are there (the backend's defaults
-    apply to the rest)."""
+    apply to the rest). ``models``: the served models (``[[models]]``); empty: one model, the default,
+    declared by ``[backend]`` (``model``, ``backend_url``, ``backends``, ``tokenizer``) and ``[http]
+    served_model_name``."""
 
     http: HTTPSettings = msgspec.field(default_factory=HTTPSettings)
     backend: BackendSettings = msgspec.field(default_factory=BackendSettings)
     engine: dict[str, str | bool] = {}
     tenancy: TenancySettings = msgspec.field(default_factory=TenancySettings)
     observability: ObservabilitySettings = msgspec.field(default_factory=ObservabilitySettings)
+    models: list[ModelSettings] = []
 
 
 SECTIONS: dict[str, type[Section]] = {

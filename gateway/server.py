@@ -4,15 +4,18 @@ Settings: ``gateway.settings`` (defaults < ``--config`` TOML < ``LLM_GATEWAY_*``
 a bad one is a message and exit status 2.
 
 Lifecycle:
-1. Backends: without ``--backend-url``, ``--backends`` processes ``python -m backend --model PATH --listen
-   unix:SOCK`` plus the engine options are spawned (socket in a temp dir); with one or more ``--backend-url``
-   the gateway connects to them. The gateway waits for every backend's first ``Ready``. A first start that
+1. Backends, per model (``[[models]]`` / ``--serve-model``; without any, the one default model of
+   ``--model``, ``--backends``, ``--backend-url``): without a backend URL, ``replicas`` (``--backends``)
+   processes ``python -m backend --model PATH --listen unix:SOCK`` plus the model's engine options are
+   spawned (socket in a temp dir); with one or more backend URLs the gateway connects to them. Every model's
+   backends start at once and the gateway waits for every backend's first ``Ready``. A first start that
    fails for good (the backend cannot load its model: ``BackendStartError``, gateway/backends/supervisor.py)
    ends the process: one line ``python -m gateway serve: error: cannot load model PATH: REASON`` on stderr,
    exit status 1, its backends stopped; nothing retries it.
-2. Text: tokenizer + chat template loaded from ``--tokenizer``, else ``--model``, else the backend's
-   ``ModelCard.model_path``. Tenancy (database, usage ledger) starts; the app is built
-   (``gateway.app.build_app``: every route and the middleware order).
+2. Text, per model (``gateway.launch``): tokenizer + chat template from the model's ``tokenizer``, else its
+   path, else the backend's ``ModelCard.model_path``; the ``ModelCatalog`` (gateway/catalog.py) is built.
+   Tenancy (database, usage ledger) starts; the app is built (``gateway.app.build_app``: every route and the
+   middleware order).
 3. HTTP: ``hypercorn.trio.serve`` on ``--host``/``--port``; a curl example is printed when ready.
 4. SIGINT/SIGTERM before HTTP serves (a backend loading, a restart backoff, the tokenizer): stop at once, every
    backend process SIGTERMed (SIGKILL after 3 s) and reaped, exit 0. After that: drain. The listener stays open
@@ -34,65 +37,88 @@ import socket
 import sys
 from functools import partial
 
-import jinja2
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hyper_serve
 
 from auth.errors import StoreUnavailable
 from backend.model_path import default_model_path
+from backend.protocol import Stats
 from gateway.app import build_app
 from gateway.backends.address import link_credentials
 from gateway.backends.pool import BackendPool
+from gateway.backends.routing import routing_config
 from gateway.backends.supervisor import BackendStartError, BackendSupervisor, SpawnSpec
+from gateway.catalog import ModelCatalog
 from gateway.filters import TenantFilters
+from gateway.launch import StartupError, _load_tokenizer, served_model
 from gateway.observability.access_log import configure_access_log
 from gateway.observability.metrics import GatewayMetrics
+from gateway.options import model_engine
+from gateway.sections import ModelSettings
 from gateway.settings import Settings, SettingsError, configure_logging, engine_argv, load_settings
 from gateway.state import Gateway
 from gateway.tenants import Tenants
 from ratelimit.errors import StoreError
-from templating import ChatTemplate, TextTokenizer, cached_tokenizer
 
+__all__ = [
+    "StartupError",
+    "_load_tokenizer",
+    "backend_pool",
+    "main",
+    "serve",
+]  # StartupError: its home was here
 log = logging.getLogger("gateway")
 
 
-def backend_pool(settings: Settings, model: str | None) -> BackendPool:
-    """One supervisor per ``--backend-url``, else ``--backends`` spawned ones serving ``model`` with the
-    engine options."""
+def backend_pool(settings: Settings, model: str | None, served: ModelSettings | None = None) -> BackendPool:
+    """The backends of one model: one supervisor per ``--backend-url``, else ``--backends`` spawned ones
+    serving ``model`` with the engine options. ``served``: a ``[[models]]`` entry, whose ``backend_url``,
+    ``replicas``, ``path`` and engine options (``options.model_engine``) are used instead; its supervisors
+    are named ``<name>-backend-<i>`` (the default model's ``backend-<i>``)."""
     b = settings.backend
-    if b.backend_url:
+    urls = served.backend_url if served is not None else b.backend_url
+    prefix = f"{served.name}-" if served is not None else ""
+    if urls:
         sups = [
             BackendSupervisor(
                 url=u,
-                name=f"backend-{i}",
+                name=f"{prefix}backend-{i}",
                 request_buffer=b.request_buffer,
                 max_failures=b.max_failures,
                 credentials=link_credentials(b.backend_secret_file, b.backend_tls_ca_file),
             )
-            for i, u in enumerate(b.backend_url)
+            for i, u in enumerate(urls)
         ]
     else:
+        engine = model_engine(settings.engine, served) if served is not None else settings.engine
         spec = SpawnSpec(
-            model=model or default_model_path(),
-            extra_args=engine_argv(settings.engine),
+            model=(served.path if served is not None else model) or default_model_path(),
+            extra_args=engine_argv(engine),
             startup_timeout=b.backend_startup_timeout,
         )
         sups = [
             BackendSupervisor(
-                spawn=spec, name=f"backend-{i}", request_buffer=b.request_buffer, max_failures=b.max_failures
+                spawn=spec,
+                name=f"{prefix}backend-{i}",
+                request_buffer=b.request_buffer,
+                max_failures=b.max_failures,
             )
-            for i in range(b.backends)
+            for i in range(served.replicas if served is not None else b.backends)
         ]
-    return BackendPool(sups, wait_timeout=b.backend_wait)
+    return BackendPool(sups, wait_timeout=b.backend_wait, routing=routing_config(b))
 
 
 def _banner(gw: Gateway, tenancy: Tenants, settings: Settings) -> str:
     base = f"http://{settings.http.host}:{settings.http.port}"
     name = gw.model_names()[0] if gw.model_names() else "model"
     key = tenancy.default_key
+    served = ", ".join(
+        f"{m.name!r} ({', '.join(s.url for s in m.pool.supervisors)})" if m.pool else repr(m.name)
+        for m in gw.catalog
+    )
     return (
-        f"Gateway ready on {base} (model {name!r}, backends: {', '.join(s.url for s in gw.pool.supervisors)})\n"
+        f"Gateway ready on {base} (models: {served})\n"
         f'  curl {base}/v1/chat/completions -H "Authorization: Bearer $API_KEY" '
         f"-H 'Content-Type: application/json' "
         f'-d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 100}}\'\n'
@@ -102,27 +128,6 @@ def _banner(gw: Gateway, tenancy: Tenants, settings: Settings) -> str:
             else "  API_KEY: a tenant key (create one: POST /admin/v1/tenants/{id}/keys with the admin key)"
         )
     )
-
-
-class StartupError(Exception):
-    """The gateway cannot start; ``str()`` is the one-line reason (``cannot load tokenizer PATH: REASON``)."""
-
-
-def _load_tokenizer(path: str | None):
-    """``cached_tokenizer(path)``. Raises ``StartupError`` naming the path and the reason."""
-    try:
-        return cached_tokenizer(path)
-    except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's loader raises: one line, exit 1
-        raise StartupError(f"cannot load tokenizer {path}: {' '.join(str(exc).split())}") from None
-
-
-def _chat_template(tokenizer: TextTokenizer, source: str | None) -> ChatTemplate:
-    """``ChatTemplate(tokenizer, source)``. Raises ``StartupError`` when the model has no usable template (none
-    given and none in the tokenizer's files, or one that does not compile)."""
-    try:
-        return ChatTemplate(tokenizer, source)
-    except (ValueError, jinja2.TemplateError) as exc:
-        raise StartupError(f"cannot use the model's chat template: {' '.join(str(exc).split())}") from None
 
 
 class _Config(Config):
@@ -157,15 +162,23 @@ async def serve(settings: Settings) -> None:
             model, a backend or the tokenizer cannot be loaded.
     """
     model = settings.backend.model
-    if model is None and not settings.backend.backend_url:
+    spawns = (
+        not settings.backend.backend_url
+        if not settings.models
+        else any(m.kind == "native" and not m.backend_url and not m.path for m in settings.models)
+    )
+    if model is None and spawns:
         try:
             model = default_model_path()
         except FileNotFoundError as exc:
             raise StartupError(f"cannot load model (the default): {exc}") from None
-    pool = backend_pool(settings, model)
+    declared: list[tuple[ModelSettings | None, BackendPool | None]] = [
+        (m, backend_pool(settings, model, m) if m.kind == "native" else None) for m in settings.models
+    ] or [(None, backend_pool(settings, model))]
+    pools = [p for _, p in declared if p is not None]
     async with trio.open_nursery() as nursery:
         shutdown, serving = trio.Event(), trio.Event()
-        nursery.start_soon(_signals, shutdown, serving, pool, nursery.cancel_scope)
+        nursery.start_soon(_signals, shutdown, serving, pools, nursery.cancel_scope)
         t = settings.tenancy  # first: an unreachable store or Redis fails before the model loads
         tenancy = Tenants(
             t.db,
@@ -185,22 +198,24 @@ async def serve(settings: Settings) -> None:
             await tenancy.start(nursery)
         except (StoreUnavailable, StoreError) as exc:
             raise StartupError(f"cannot start tenancy: {' '.join(str(exc).split())}") from None
-        await nursery.start(pool.run)  # BackendStartError: the first start failed (backends stopped)
-        card = pool.card
-        tok_path = settings.backend.tokenizer or model or (card.model_path if card else None)
-        tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
-        template = _chat_template(tokenizer, card.chat_template if card and card.chat_template else None)
+        async with trio.open_nursery() as starting:  # every model's backends at once
+            for p in pools:  # BackendStartError: a first start failed (backends stopped)
+                starting.start_soon(nursery.start, p.run)
+        catalog = ModelCatalog([await served_model(settings, m, p, model) for m, p in declared])
         await tenancy.create_default_tenant()
         obs = settings.observability
-        metrics = GatewayMetrics(card.name if card else "", tenant_label=obs.metrics_tenant_label)
-        metrics.set_stats_source(pool.stats)
+        default = catalog.default
+        metrics = GatewayMetrics(default.name, tenant_label=obs.metrics_tenant_label)
+        metrics.set_stats_source(partial(_stats, pools))
+        metrics.set_backend_models({s.name: m.name for m in catalog if m.pool for s in m.pool.supervisors})
         metrics.set_fail_open_source(lambda: tenancy.admission.fail_open_admitted)
         configure_access_log(obs.access_log)
         gw = Gateway(
             settings,
-            pool,
-            tokenizer,
-            template,
+            default.pool,  # type: ignore[arg-type]  # the default model's (None: an upstream model)
+            default.tokenizer,  # type: ignore[arg-type]
+            default.template,  # type: ignore[arg-type]
+            catalog=catalog,
             tenancy=tenancy,
             filters=TenantFilters(budget=settings.http.filter_budget),
             metrics=metrics,
@@ -235,7 +250,11 @@ async def serve(settings: Settings) -> None:
         await done.wait()
         log.info("HTTP server stopped; stopping backends")
         with trio.move_on_after(15):
-            await pool.stop(grace=10.0)
+            async with trio.open_nursery() as stopping:
+                for p in pools:
+                    stopping.start_soon(p.stop, 10.0)
+        with trio.move_on_after(10), trio.CancelScope(shield=True):
+            await catalog.aclose()  # upstream models' connections
         with trio.move_on_after(10):
             await tenancy.aclose()  # flush the usage ledger
         nursery.cancel_scope.cancel()
@@ -244,8 +263,16 @@ async def serve(settings: Settings) -> None:
 DUPLICATE_SIGNAL_S = 1.0  # a second signal sooner than this after the first is the same request to stop
 
 
+async def _stats(pools: list[BackendPool]) -> dict[str, tuple[Stats, int]]:
+    """Every pool's ``BackendPool.stats`` in one dict (supervisor names are unique across models)."""
+    out: dict[str, tuple[Stats, int]] = {}
+    for p in pools:
+        out.update(await p.stats())
+    return out
+
+
 async def _signals(
-    shutdown: trio.Event, serving: trio.Event, pool: BackendPool, scope: trio.CancelScope
+    shutdown: trio.Event, serving: trio.Event, pools: list[BackendPool], scope: trio.CancelScope
 ) -> None:
     """SIGINT/SIGTERM: before ``serving`` (backends loading, restarting, tokenizer) stop at once (``scope``
     cancelled: each supervisor SIGTERMs and reaps its process); then the drain of the module docstring."""
@@ -254,7 +281,8 @@ async def _signals(
         async for sig in sigs:
             if not serving.is_set():
                 log.warning("signal %s during startup: stopping", signal.Signals(sig).name)
-                pool.draining = True
+                for p in pools:
+                    p.draining = True
                 scope.cancel()
                 return
             if shutdown.is_set():
@@ -268,7 +296,8 @@ async def _signals(
                 return
             log.info("signal %s: draining", signal.Signals(sig).name)
             first = trio.current_time()
-            pool.draining = True
+            for p in pools:
+                p.draining = True
             shutdown.set()
 
 

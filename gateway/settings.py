@@ -13,6 +13,16 @@ Sources, lowest to highest precedence (a later one wins, per option):
    ``GATEWAY_CORS_ORIGINS``, ``GATEWAY_METRICS_TENANT_LABEL``, ``GATEWAY_LOG_CONTENT``, ``GATEWAY_ACCESS_LOG``;
 4. command-line flags (``--max-body-bytes``; list options repeat the flag; booleans have ``--no-...``).
 
+Models: ``[[models]]`` tables (``gateway.sections.ModelSettings``; docs/gateway.md) or the repeatable flag
+``--serve-model 'name=smol-f32,path=/m/smol.gguf,dtype=float32,replicas=1,alias=smol'`` (``KEY=VALUE``
+pairs split at commas: every ``[[models]]`` key, ``alias``/``backend_url`` repeated for several, any
+``python -m backend`` option by name, e.g. ``max_num_seqs=8``); the flags replace the file's list. Keys a
+model of another kind reads (``urls`` for ``kind = "openai"``) are kept in its ``upstream`` table. With
+models declared, the single-model options (``[backend] model``, ``tokenizer``, ``backend_url``,
+``backends``, ``[http] served_model_name``) are an error; ``[engine]`` applies to every spawned backend
+and a model's own engine options win (its KV size replaces both of ``[engine]``'s). Without any, those
+options declare the one default model.
+
 ``python -m gateway serve --help`` lists every option (engine options are generated from the backend's own
 parser, ``backend.__main__.add_engine_args``). An unknown flag, TOML key or table, or a value of the wrong
 type or range from any source is an error at startup: ``SettingsError`` (the CLI prints it, exit 2).
@@ -30,10 +40,23 @@ import msgspec
 import msgspec.inspect as mi
 
 from backend.__main__ import add_engine_args
+from gateway.options import (
+    TRUTHY,
+    SettingsError,
+    check_engine,
+    check_models,
+    convert,
+    engine_actions,
+    engine_argv,
+    engine_token,
+    model_table,
+    parse_model_spec,
+)
 from gateway.sections import (
     SECTIONS,
     BackendSettings,
     HTTPSettings,
+    ModelSettings,
     ObservabilitySettings,
     Section,
     Settings,
@@ -50,13 +73,20 @@ DEPRECATED_ENV = {
 }
 SOURCES = (
     "Each option comes from, lowest to highest precedence: its default, the TOML file (--config PATH or "
-    f"{ENV_PREFIX}CONFIG; tables [http], [backend], [engine], [tenancy], [observability]), the environment "
-    f"variable {ENV_PREFIX}<NAME>, the flag."
+    f"{ENV_PREFIX}CONFIG; tables [http], [backend], [engine], [tenancy], [observability], [[models]]), the "
+    f"environment variable {ENV_PREFIX}<NAME>, the flag."
+)
+SERVE_MODEL_HELP = (
+    "declare one served model (repeat for several; replaces the config file's [[models]]): KEY=VALUE pairs "
+    "split at commas, the keys of a [[models]] table (name, path, kind, replicas, dtype, kv_cache_memory, "
+    "num_kv_blocks, tokenizer, chat_template, context_length; alias and backend_url repeat) or any engine "
+    "option by name, e.g. 'name=smol-f32,path=/m/smol.gguf,dtype=float32,replicas=1,alias=smol'"
 )
 __all__ = [
     "SECTIONS",
     "BackendSettings",
     "HTTPSettings",
+    "ModelSettings",
     "ObservabilitySettings",
     "Section",
     "Settings",
@@ -66,12 +96,6 @@ __all__ = [
     "engine_argv",
     "load_settings",
 ]
-_TRUTHY = {"yes": "true", "on": "true", "no": "false", "off": "false"}
-
-
-class SettingsError(ValueError):
-    """A setting that cannot be used: unknown name, wrong type or range, unreadable file. The message names
-    the source (file, environment variable or flag) and the option."""
 
 
 # ----------------------------------------------------------------------------- option tables
@@ -94,62 +118,10 @@ def _fields(section: type[Section]) -> list[msgspec.structs.FieldInfo]:
     return list(msgspec.structs.fields(section))
 
 
-def engine_actions() -> dict[str, argparse.Action]:
-    """The backend's engine options by name (``num_kv_blocks``), from ``backend.__main__.add_engine_args``."""
-    return {a.dest: a for a in add_engine_args(argparse.ArgumentParser(add_help=False))}
-
-
-def engine_argv(engine: Mapping[str, str | bool]) -> list[str]:
-    """``python -m backend`` arguments for ``Settings.engine`` (``["--num-kv-blocks=64", "--no-prefix-caching"]``)."""
-    actions = engine_actions()
-    argv = []
-    for name, value in engine.items():
-        flag = actions[name].option_strings[-1]
-        if value is True:
-            argv.append(flag)
-        elif value is not False:
-            argv.append(f"{flag}={value}")
-    return argv
-
-
-def _check_engine(engine: Mapping[str, str | bool], source: str) -> None:
-    """Parse ``engine`` with the backend's own parser. Raises ``SettingsError`` naming ``source``."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--listen")
-    add_engine_args(parser)
-    try:
-        parser.parse_args(engine_argv(engine))
-    except argparse.ArgumentError as exc:
-        raise SettingsError(f"{source}: {exc}") from None
-
-
-def _engine_token(name: str, value: object, source: str) -> str | bool:
-    """One engine value from TOML or the environment as command-line text (True/False for a flag), checked
-    by the backend's parser. Raises ``SettingsError`` naming ``source``."""
-    action = engine_actions()[name]
-    if action.nargs == 0:  # store_true
-        if isinstance(value, str):
-            value = _convert(_TRUTHY.get(value.strip().lower(), value), bool, source, strict=False)
-        if not isinstance(value, bool):
-            raise SettingsError(f"{source}: expected true or false, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise SettingsError(f"{source}: expected a string or a number, got {value!r}")
-    _check_engine({name: str(value)}, source)
-    return str(value)
-
-
-def _convert(value: object, annotation: Any, source: str, *, strict: bool) -> Any:
-    try:
-        return msgspec.convert(value, annotation, strict=strict)
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise SettingsError(f"{source}: {exc}") from None
-
-
 def _field_value(section: type[Section], name: str, value: object, source: str) -> object:
     """``value`` (a flag's or an environment variable's text, or a TOML value) as field ``name`` of
     ``section``, checked with the section's own rules. Raises ``SettingsError`` naming ``source``."""
-    checked = _convert({name: value}, section, source, strict=not isinstance(value, str | list))
+    checked = convert({name: value}, section, source, strict=not isinstance(value, str | list))
     return getattr(checked, name)
 
 
@@ -159,7 +131,7 @@ def _from_text(text: str, section: type[Section], field: msgspec.structs.FieldIn
     if kind == "list":
         value: object = [part.strip() for part in text.split(",") if part.strip()]
     elif kind == "bool":
-        value = _TRUTHY.get(text.strip().lower(), text.strip())
+        value = TRUTHY.get(text.strip().lower(), text.strip())
     elif kind == "optional" and text == "":
         return None
     else:
@@ -175,6 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     given land in the namespace as ``"<table>.<name>"`` (engine options under their own names); absent
     ones are left out, so a lower source shows through."""
     parser.add_argument("--config", default=argparse.SUPPRESS, metavar="PATH", help="TOML settings file")
+    parser.add_argument(
+        "--serve-model",
+        dest="models",
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="SPEC",
+        help=SERVE_MODEL_HELP,
+    )
     for table, section in SECTIONS.items():
         group = parser.add_argument_group(
             f"[{table}] {(section.__doc__ or '').partition(': ')[2].rstrip('.')}"
@@ -238,11 +218,13 @@ def _read_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: invalid TOML: {exc}") from None
     for table, values in data.items():
+        if table == "models" and isinstance(values, list) and all(isinstance(v, dict) for v in values):
+            continue
         if table not in (*SECTIONS, "engine") or not isinstance(values, dict):
             raise SettingsError(
-                f"{path}: unknown table [{table}] (tables: {', '.join([*SECTIONS, 'engine'])})"
+                f"{path}: unknown table [{table}] (tables: {', '.join([*SECTIONS, 'engine'])}, [[models]])"
             )
-    _convert({k: v for k, v in data.items() if k != "engine"}, Settings, path, strict=True)
+    convert({k: v for k, v in data.items() if k not in ("engine", "models")}, Settings, path, strict=True)
     return data
 
 
@@ -258,15 +240,17 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
     notices: list[str] = []
     merged: dict[str, dict[str, object]] = {table: {} for table in SECTIONS}
     engine: dict[str, str | bool] = {}
+    models: list[ModelSettings] = []
     path = ns.get("config") or environ.get(ENV_PREFIX + "CONFIG")
     if path:
         data = _read_toml(path)
+        models = [model_table(t, f"{path}: [[models]]", strict=True) for t in data.get("models", [])]
         for table in SECTIONS:
             merged[table].update(data.get(table, {}))
         for name, value in data.get("engine", {}).items():
             if name not in engine_actions():
                 raise SettingsError(f"{path}: unknown key {name!r} in [engine]")
-            engine[name] = _engine_token(name, value, f"{path}: [engine] {name}")
+            engine[name] = engine_token(name, value, f"{path}: [engine] {name}")
     for table, section in SECTIONS.items():
         for f in _fields(section):
             var = ENV_PREFIX + f.name.upper()
@@ -279,7 +263,12 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
     for name in engine_actions():
         var = ENV_PREFIX + name.upper()
         if var in environ:
-            engine[name] = _engine_token(name, environ[var], f"environment variable {var}")
+            engine[name] = engine_token(name, environ[var], f"environment variable {var}")
+    if "models" in ns:
+        models = [
+            model_table(parse_model_spec(v, "argument --serve-model"), "argument --serve-model", strict=False)
+            for v in ns.pop("models")
+        ]
     for key, value in ns.items():
         table, dot, name = key.partition(".")
         if dot:
@@ -288,9 +277,12 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
         elif key in engine_actions():
             engine[key] = value if isinstance(value, bool) else str(value)
     engine = {k: v for k, v in engine.items() if v is not False}
-    _check_engine(engine, "engine options")  # together: e.g. --kv-cache-memory with --num-kv-blocks
-    settings = _convert({**merged, "engine": engine}, Settings, "settings", strict=False)
-    if settings.backend.backend_url and settings.engine:
+    check_engine(engine, "engine options")  # together: e.g. --kv-cache-memory with --num-kv-blocks
+    settings = convert({**merged, "engine": engine}, Settings, "settings", strict=False)
+    settings.models = models
+    if models:
+        check_models(settings, merged, notices)
+    elif settings.backend.backend_url and settings.engine:
         notices.append(
             "engine options apply to spawned backends only; ignored with --backend-url: "
             + " ".join(engine_argv(settings.engine))

@@ -1,5 +1,9 @@
 """Process-wide gateway state: ``Gateway``, the settings (``gateway.settings.Settings``) and the collaborators
-read by the handlers: backend pool, tokenizer, chat template, tenancy, filters, metrics."""
+read by the handlers: the model catalog (``gateway.catalog``: each model's backend pool, tokenizer, chat
+template and context length), tenancy, filters, metrics.
+
+``Gateway.pool``, ``.tokenizer`` and ``.template`` are the default model's (the catalog's first); the request
+path reads the model it resolved (``Gateway.resolve``) instead."""
 
 from __future__ import annotations
 
@@ -17,12 +21,11 @@ from auth.errors import AuthError
 from auth.principal import Principal
 from backend.protocol import ModelCard
 from gateway.backends.pool import BackendPool
+from gateway.catalog import ModelCatalog, ServedModel
 from gateway.error_map import api_error
-from gateway.errors import NotFound, ServiceUnavailable
 from gateway.filters import OutputFilter, TenantFilters
 from gateway.observability.metrics import GatewayMetrics
 from gateway.settings import Settings
-from gateway.structured.checker import GrammarChecker
 from gateway.tenants import Tenants
 from ratelimit.reservation import Reservation
 from templating import ChatTemplate, TextTokenizer
@@ -31,7 +34,13 @@ T = TypeVar("T")
 
 
 class Gateway:
-    """Process-wide state, read-only for handlers: config, backend pool, tokenizer/template, plug-ins."""
+    """Process-wide state, read-only for handlers: config, the model catalog, plug-ins.
+
+    Args:
+        pool, tokenizer, template: the default model's (the catalog's first when ``catalog`` is given).
+        catalog: every served model; None: one model, the default, from ``pool``/``tokenizer``/``template``
+            (named by its backend card, ``[http] served_model_name`` as aliases).
+    """
 
     def __init__(
         self,
@@ -40,12 +49,28 @@ class Gateway:
         tokenizer: TextTokenizer,
         template: ChatTemplate,
         *,
+        catalog: ModelCatalog | None = None,
         tenancy: Tenants | None = None,
         filters: TenantFilters | None = None,
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.config = settings.http  # the HTTP-side section, read on every request
+        if catalog is None:
+            catalog = ModelCatalog(
+                [
+                    ServedModel(
+                        None,
+                        pool=pool,
+                        aliases=settings.http.served_model_name,
+                        tokenizer=tokenizer,
+                        template=template,
+                        grammar_max_bytes=settings.http.grammar_max_bytes,
+                        grammar_timeout=settings.http.grammar_timeout,
+                    )
+                ]
+            )
+        self.catalog = catalog
         self.pool = pool
         self.tokenizer = tokenizer
         self.template = template
@@ -53,24 +78,12 @@ class Gateway:
         self.filters = filters
         self.metrics = metrics
         self.started = int(time.time())
-        self._token_str: dict[int, str] = {}
-        self._token_bytes: dict[int, list[int]] = {}
         self._tok_limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
-        self._grammars: GrammarChecker | None = None
 
-    @property
-    def grammars(self) -> GrammarChecker:
-        """The grammar checker over the model's vocabulary (made on first use)."""
-        if self._grammars is None:
-            tok = self.tokenizer
-            self._grammars = GrammarChecker(
-                tok.tokenizer.to_str,
-                tok.vocab_size,
-                sorted(tok.stop_token_ids),
-                max_bytes=self.config.grammar_max_bytes,
-                timeout=self.config.grammar_timeout,
-            )
-        return self._grammars
+    def resolve(self, model: str, principal: Principal | None) -> ServedModel:
+        """The served model ``model`` names for ``principal`` (``ModelCatalog.resolve``). Raises ``NotFound``
+        (404 ``model_not_found``) for an unknown model or one the tenant may not use."""
+        return self.catalog.resolve(model, principal)
 
     async def tokenize(self, fn: Callable[[], T], chars: int) -> T:
         """Run ``fn`` (templating/tokenizing, CPU-bound) inline for short prompts, else in a worker thread
@@ -80,45 +93,14 @@ class Gateway:
             return fn()
         return await trio.to_thread.run_sync(fn, limiter=self._tok_limiter)
 
-    def token_str(self, tid: int) -> str:
-        """Printable text of one token (its bytes decoded with U+FFFD for partial UTF-8), cached."""
-        s = self._token_str.get(tid)
-        if s is None:
-            s = self.tokenizer.id_to_bytes[tid].decode("utf-8", errors="replace")
-            self._token_str[tid] = s
-        return s
-
-    def token_bytes(self, tid: int) -> list[int]:
-        """The raw bytes of one token, as a list of ints (OpenAI logprobs ``bytes``), cached (callers only
-        encode it)."""
-        b = self._token_bytes.get(tid)
-        if b is None:
-            b = self._token_bytes[tid] = list(self.tokenizer.id_to_bytes[tid])
-        return b
-
     @property
     def card(self) -> ModelCard:
-        """The backends' model card. Raises ``ServiceUnavailable`` (503) while no backend is ready."""
-        card = self.pool.card
-        if card is None:
-            raise ServiceUnavailable("No inference backend is ready yet.")
-        return card
+        """The default model's card. Raises ``ServiceUnavailable`` (503) while no backend is ready."""
+        return self.catalog.default.card
 
     def model_names(self) -> list[str]:
-        card = self.pool.card
-        names = [card.name] if card is not None else []
-        return names + [n for n in self.config.served_model_name if n not in names]
-
-    def check_model(self, model: str) -> str:
-        """The served name for ``model``. Raises ``NotFound`` (404, param model) for an unknown model."""
-        names = self.model_names()
-        if model in names:
-            return model
-        raise NotFound(
-            f"The model '{model}' does not exist. Available: {', '.join(names)}.",
-            param="model",
-            code="model_not_found",
-        )
+        """Every name of every served model (served names, then aliases, model by model)."""
+        return [n for _, n in self.catalog.listing(None)]
 
     async def authenticate(self, request: Request) -> Principal | None:
         """The request's principal: the auth middleware's, else (an app without it) authenticated here; None

@@ -7,7 +7,9 @@ this one struct (validated, templated, tokenized, limits resolved), then hand it
 Fields:
     request_id: the public id (``chatcmpl-…``, ``cmpl-…``) and the backend request id.
     api: which API the request came through (``"openai"`` or ``"ollama"``): a metrics/log label only.
-    model: the served model name the client asked for.
+    model: the model name the client asked for (a served name or an alias).
+    served: the model it resolved to (``gateway.catalog.ServedModel``): its backends, tokenizer and grammar
+        checker serve the run; None only in tests that render without running.
     prompt_ids: prompt token ids (list[int], after the chat template).
     sampling: backend sampling parameters: ``n``, ``max_tokens`` (resolved against the context), penalties,
         seed, ``logprobs``/``top_logprobs``...
@@ -37,6 +39,7 @@ import msgspec
 
 from auth.principal import Principal
 from backend.protocol import Grammar, SamplingParams
+from gateway.catalog import ServedModel
 from gateway.structured.checker import GrammarCheck
 from gateway.tools.parser import ToolParser
 from gateway.tools.spec import ToolPlan
@@ -46,6 +49,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     request_id: str
     api: Literal["openai", "ollama"]
     model: str
+    served: ServedModel | None = None
     prompt_ids: list[int]
     sampling: SamplingParams
     stops: list[str] = []

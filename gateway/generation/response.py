@@ -56,7 +56,8 @@ def generation_response(
             sinks.append(RecordObserver(record, req))
         if inspections is not None and req.inspect:
             alias = record.request_id if record is not None else None
-            sinks.append(InspectObserver(inspections, gw.tokenizer, req, alias))
+            served = req.served or gw.catalog.default
+            sinks.append(InspectObserver(inspections, served.text()[0], req, alias))
         try:
             await run_generation(gw, req, Tee(*sinks))
         except APIError as exc:

@@ -90,7 +90,8 @@ class _Run:
         self.gw = gw
         self.req = req
         self.sink = sink
-        tok = gw.tokenizer
+        self.model = req.served if req.served is not None else gw.catalog.default
+        tok, _ = self.model.text()
         make_filter = gw.output_filter(req.principal)
         self.choices = [
             Choice(
@@ -214,8 +215,11 @@ class _Run:
     async def _generate(self, headers: dict[str, str]) -> None:
         req = self.req
         for check in req.grammar_checks:  # after admission: rate limits bound what a tenant can ask for
-            await self.gw.grammars.check(check.grammar, check.param, schemas=check.schemas)
-        client = await self.gw.pool.pick()
+            await self.model.grammars.check(check.grammar, check.param, schemas=check.schemas)
+        pool = self.model.pool
+        if pool is None:
+            raise InternalError(f"The model {req.model!r} has no inference backend in this gateway.")
+        client = await pool.pick(req.prompt_ids, req.tenant_id)  # routed by prompt start and cache salt
         if req.grammar is not None and FEATURE_GRAMMAR not in client.ready.features:
             param = req.grammar_param or "response_format"
             raise InvalidRequest(

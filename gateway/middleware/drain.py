@@ -20,7 +20,8 @@ from gateway.middleware.asgi import ASGIApp, Receive, Scope, Send, send_error
 
 
 class Drainable(Protocol):
-    """What the gate reads: ``draining`` (``BackendPool.draining``, set by the signal handler)."""
+    """What the gate reads: ``draining`` (``ModelCatalog.draining``: every model's pool, set by the signal
+    handler)."""
 
     draining: bool
 

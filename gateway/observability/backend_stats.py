@@ -61,6 +61,9 @@ class BackendStatsCollector:
 
     def __init__(self, model_name: Callable[[], str]) -> None:
         self._model_name = model_name
+        self.backend_models: dict[
+            str, str
+        ] = {}  # backend id -> its model's served name (default: model_name)
         self._last: dict[str, Stats] = {}
         self._offset: dict[str, dict[str, float]] = {}
         self._epoch: dict[str, int | None] = {}
@@ -119,7 +122,7 @@ class BackendStatsCollector:
             for f, (name, help_) in self.COUNTERS.items()
         }
         for backend, s in sorted(self._last.items()):
-            lv = [model, backend]
+            lv = [self.backend_models.get(backend, model), backend]
             running.add_metric(lv, s.running)
             waiting.add_metric(lv, s.waiting)
             usage.add_metric(lv, (s.kv_blocks_used / s.kv_blocks_total) if s.kv_blocks_total else 0.0)

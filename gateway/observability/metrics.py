@@ -244,6 +244,11 @@ class GatewayMetrics:
         """An async callable giving fresh backend ``Stats`` (or a list / {backend_id: Stats}); polled by ``render``."""
         self._stats_source = source
 
+    def set_backend_models(self, models: dict[str, str]) -> None:
+        """The ``model_name`` label of each backend's engine figures: ``{backend id: served model name}``
+        (a backend not named there gets ``model_name``)."""
+        self.backend.backend_models = dict(models)
+
     def update_backend_stats(self, stats: Stats, backend: str = "0", epoch: int | None = None) -> None:
         """Feed one backend ``Stats`` (from a poll or an unsolicited message); ``epoch``: see ``BackendStatsCollector.update``."""
         self.backend.update(stats, backend, epoch)

@@ -61,7 +61,7 @@ class RequestRecord:
         request_id: kept from ``x-request-id`` or made by the middleware.
         method, path: of the HTTP request; route: the path if it is a known route, else "other".
         api: "openai" or "ollama" (set from the run's request; None for other routes).
-        tenant: tenant id (never a key); model: served model name; stream: bool.
+        tenant: tenant id (never a key); model: served model name (the model's, for an alias); stream: bool.
         status: HTTP status sent (None until the response starts).
         prompt_tokens, completion_tokens, cached_tokens: tokens (completion summed over choices).
         finish_reason: of the request, as its run decided it (``Ended.reason``); abort_reason: why a request
@@ -236,7 +236,12 @@ class RecordObserver:
 
     def __init__(self, record: RequestRecord, req: GenerationRequest) -> None:
         self.record = record
-        record.api, record.model, record.stream = req.api, req.model, req.stream
+        served = req.served.name if req.served is not None else None
+        record.api, record.model, record.stream = (
+            req.api,
+            served or req.model,
+            req.stream,
+        )  # an alias: its model
         record.tenant = req.tenant_id or None
         record.set_prompt(req.prompt_log)  # kept only with --log-content
 

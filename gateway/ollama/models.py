@@ -1,5 +1,6 @@
-"""The served model in Ollama's listing shapes: /api/tags, /api/ps and /api/show, from the backend's
-``ModelCard``.
+"""The served models in Ollama's listing shapes: /api/tags, /api/ps and /api/show, from each model's name
+(a served name or an alias: each is one entry, as in ``/v1/models``), its backends' ``ModelCard`` and its
+context length (``gateway.catalog.ServedModel.context_length``).
 
 Shapes follow Ollama's docs/api.md (https://github.com/ollama/ollama/blob/main/docs/api.md), "List Local
 Models", "List Running Models" and "Show Model Information", and what the official ``ollama`` Python client
@@ -33,8 +34,12 @@ def details(card: ModelCard) -> dict[str, Any]:
     }
 
 
-def entry(card: ModelCard) -> dict[str, Any]:
-    """One model of /api/tags: name, model, modified_at, size (bytes), digest, details."""
+Listed = tuple[str, ModelCard, int]
+"""One entry of a listing: (name, the model's card, its context length in tokens)."""
+
+
+def entry(name: str, card: ModelCard) -> dict[str, Any]:
+    """One model of /api/tags under ``name``: name, model, modified_at, size (bytes), digest, details."""
     path = card.model_path
     try:
         st = os.stat(path)
@@ -43,8 +48,8 @@ def entry(card: ModelCard) -> dict[str, Any]:
         size, mtime = 0, time.time()
     digest = hashlib.sha256(f"{card.name}\0{path}\0{size}\0{mtime}".encode()).hexdigest()
     return {
-        "name": card.name,
-        "model": card.name,
+        "name": name,
+        "model": name,
         "modified_at": datetime.fromtimestamp(mtime, UTC).isoformat().replace("+00:00", "Z"),
         "size": size,
         "digest": digest,
@@ -52,37 +57,38 @@ def entry(card: ModelCard) -> dict[str, Any]:
     }
 
 
-def tags(card: ModelCard | None) -> dict[str, Any]:
-    """GET /api/tags: the served model (none before a backend is ready)."""
-    return {"models": [entry(card)] if card is not None else []}
+def tags(listed: list[Listed]) -> dict[str, Any]:
+    """GET /api/tags: every listed name (a model none of whose backends was ready yet is not listed)."""
+    return {"models": [entry(name, card) for name, card, _ in listed]}
 
 
-def running(card: ModelCard | None) -> dict[str, Any]:
-    """GET /api/ps: the served model, always loaded (``size_vram`` 0 on CPU, the file size on a GPU)."""
-    if card is None:
-        return {"models": []}
-    e = entry(card)
-    e.update(
-        {
-            "expires_at": NEVER,
-            "size_vram": 0 if card.device == "cpu" else e["size"],
-            "context_length": card.context_length,
-        }
-    )
-    return {"models": [e]}
+def running(listed: list[Listed]) -> dict[str, Any]:
+    """GET /api/ps: every listed name, always loaded (``size_vram`` 0 on CPU, the file size on a GPU)."""
+    out = []
+    for name, card, context_length in listed:
+        e = entry(name, card)
+        e.update(
+            {
+                "expires_at": NEVER,
+                "size_vram": 0 if card.device == "cpu" else e["size"],
+                "context_length": context_length,
+            }
+        )
+        out.append(e)
+    return {"models": out}
 
 
-def show(card: ModelCard) -> dict[str, Any]:
-    """POST /api/show: details, model_info (architecture, context length, the gateway's device, attention
-    backend and dtype), the chat template, capabilities."""
+def show(name: str, card: ModelCard, context_length: int) -> dict[str, Any]:
+    """POST /api/show of ``name``: details, model_info (architecture, context length, the gateway's device,
+    attention backend and dtype), the chat template, capabilities."""
     arch = card.architecture
-    e = entry(card)
+    e = entry(name, card)
     return {
         "modified_at": e["modified_at"],
         "details": e["details"],
         "model_info": {
             "general.architecture": arch,
-            f"{arch}.context_length": card.context_length,
+            f"{arch}.context_length": context_length,
             "general.quantization": card.quantization,
             "gateway.device": card.device,
             "gateway.attention_backend": card.attention_backend,

@@ -24,7 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.errors import APIError, InvalidRequest, NotFound
+from auth.principal import Principal
+from backend.protocol import ModelCard
+from gateway.catalog import ServedModel
+from gateway.errors import APIError, InvalidRequest
 from gateway.generation.response import Renderer, generation_response
 from gateway.observability.record import get_record
 from gateway.ollama import models
@@ -75,7 +78,7 @@ class OllamaAPI:
             principal = await gw.authenticate(request)
             body = decode_json(await read_body(request, gw.config.max_body_bytes))
             if isinstance(body, dict) and load_only(body, kind):
-                return self._load(body, kind)
+                return self._load(body, kind, principal)
             chat = to_chat_request(body, kind)
             req = await prepare_chat(
                 gw,
@@ -94,36 +97,46 @@ class OllamaAPI:
 
         return generation_response(gw, req, render, rec)
 
-    def _load(self, body: dict[str, Any], kind: Kind) -> Response:
-        """Ollama's answer to a load-only request (``translate.load_only``): done, nothing generated."""
+    def _load(self, body: dict[str, Any], kind: Kind, principal: Principal | None) -> Response:
+        """Ollama's answer to a load-only request (``translate.load_only``): done, nothing generated.
+        Raises ``NotFound`` (404 model_not_found) for a model that is not served (or not the tenant's)."""
         model = model_name(body)
-        self._check_model(model)
+        self.gw.catalog.resolve(model, principal)
         obj = piece(kind, model, "", True)
         obj["done_reason"] = "unload" if unloads(body) else "load"
         return JSONResponse(obj)
 
-    def _check_model(self, name: str) -> None:
-        """Raises ``NotFound`` (404 model_not_found) unless ``name`` is served (when any name is known)."""
-        names = self.gw.model_names()
-        if names and name not in names:
-            raise NotFound(f"model '{name}' not found", param="model", code="model_not_found")
-
-    async def _refused(self, request: Request) -> Response | None:
-        """The error response when ``request`` fails authentication, else None."""
+    async def _principal(self, request: Request) -> Principal | None | Response:
+        """The request's principal, or the error response when it fails authentication."""
         try:
-            await self.gw.authenticate(request)
+            return await self.gw.authenticate(request)
         except APIError as exc:
             get_record(request).set_error(exc.type, exc.code)
             return error_response(exc)
-        return None
+
+    def _listed(self, principal: Principal | None) -> list[models.Listed]:
+        """(name, card, context length) of every name of every model ``principal`` may use whose card is
+        known (a native model before its first ready backend is left out)."""
+        out: list[models.Listed] = []
+        for m, name in self.gw.catalog.listing(principal):
+            shown = _shown(m)
+            if shown is not None:
+                out.append((name, *shown))
+        return out
 
     async def tags(self, request: Request) -> Response:
-        """GET /api/tags (Ollama "List Local Models"): the served model."""
-        return await self._refused(request) or JSONResponse(models.tags(self.gw.pool.card))
+        """GET /api/tags (Ollama "List Local Models"): every model the caller may use, by name and alias."""
+        principal = await self._principal(request)
+        if isinstance(principal, Response):
+            return principal
+        return JSONResponse(models.tags(self._listed(principal)))
 
     async def ps(self, request: Request) -> Response:
-        """GET /api/ps (Ollama "List Running Models"): the served model, always loaded."""
-        return await self._refused(request) or JSONResponse(models.running(self.gw.pool.card))
+        """GET /api/ps (Ollama "List Running Models"): the same models, always loaded."""
+        principal = await self._principal(request)
+        if isinstance(principal, Response):
+            return principal
+        return JSONResponse(models.running(self._listed(principal)))
 
     async def version(self, request: Request) -> Response:
         """GET /api/version (no key, as in Ollama)."""
@@ -132,8 +145,9 @@ class OllamaAPI:
     async def show(self, request: Request) -> Response:
         """POST /api/show {"model"} (Ollama "Show Model Information"); 400 for a body without a model name
         (invalid JSON, not an object, ``model`` missing or not a string), 404 for a name not served."""
-        if (refused := await self._refused(request)) is not None:
-            return refused
+        principal = await self._principal(request)
+        if isinstance(principal, Response):
+            return principal
         try:
             body = decode_json(await read_body(request, self.gw.config.max_body_bytes))
             name = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
@@ -141,11 +155,23 @@ class OllamaAPI:
                 raise InvalidRequest(
                     "model is required (a non-empty string)", param="model", code="missing_required_parameter"
                 )
+            served = self.gw.catalog.resolve(name, principal)
+            card, context_length = _shown(served) or (served.card, 0)  # 503 before a backend is ready
         except APIError as exc:
             get_record(request).set_error(exc.type, exc.code)
             return error_response(exc)
-        card = self.gw.pool.card
-        if card is None or name != card.name:
-            exc = NotFound(f"model '{name[:200]}' not found", code="model_not_found")
-            return error_response(exc)
-        return JSONResponse(models.show(card))
+        return JSONResponse(models.show(name, card, context_length))
+
+
+def _shown(model: ServedModel) -> tuple[ModelCard, int] | None:
+    """The card and context length Ollama's listings show for ``model``: its backends' card (None before
+    the first is ready) and its context length, or, for a model without backends (an upstream), a bare
+    card with its name and the declared context length (0 when none is)."""
+    if model.pool is not None:
+        card = model.card_or_none
+        return None if card is None else (card, model.context_length)
+    try:
+        context_length = model.context_length
+    except APIError:
+        context_length = 0
+    return ModelCard(name=model.name, architecture=model.kind, context_length=context_length), context_length

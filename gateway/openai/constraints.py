@@ -24,18 +24,26 @@ Errors: ``InvalidRequest`` (400) naming the parameter, from parsing or from the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from backend.protocol import Grammar
 from gateway.errors import InvalidRequest
 from gateway.openai.schemas import ChatRequest
-from gateway.state import Gateway
 from gateway.structured import formats
 from gateway.structured.checker import GrammarCheck
 from gateway.tools import ToolParser, ToolPlan, parse_tools, tool_format
 from gateway.tools.parser import CallsOnly
+from templating import ChatTemplate
+
+
+class Templated(Protocol):
+    """What the constraints read of the served model (``gateway.catalog.ServedModel``): its chat template
+    (None: the default tool format, tools written into the system turn)."""
+
+    @property
+    def template(self) -> ChatTemplate | None: ...
 
 
 class ChatConstraints(msgspec.Struct, kw_only=True):
@@ -59,9 +67,10 @@ def _has_tool_history(messages: Any) -> bool:
 
 
 def chat_constraints(
-    gw: Gateway, req: ChatRequest, messages: Any, override: tuple[Grammar, str] | None = None
+    model: Templated, req: ChatRequest, messages: Any, override: tuple[Grammar, str] | None = None
 ) -> ChatConstraints:
-    """Resolve the constraints of ``req`` (see the module docstring). ``messages``: after the prompt hooks.
+    """Resolve the constraints of ``req`` for ``model`` (the served model: its template's tool format; see the
+    module docstring). ``messages``: after the prompt hooks.
     The grammars are checked later, by the run after admission (``ChatConstraints.checks``).
     Raises ``InvalidRequest`` (shapes: tools, tool_choice, response_format, structured_outputs)."""
     plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -80,7 +89,8 @@ def chat_constraints(
         checks.append(GrammarCheck(grammar=rf, param="response_format"))
     elif so is not None:
         checks.append(GrammarCheck(grammar=so, param="structured_outputs"))
-    fmt = tool_format(gw.template.source)
+    template = model.template
+    fmt = tool_format(template.source if template is not None else None)
     tool_src = fmt.grammar(plan) if plan is not None else None
     if plan is not None and tool_src is not None and (plan.mode in ("required", "named") or not checks):
         schemas = [(f"tools[{i}].function.parameters", t.parameters) for i, t in enumerate(plan.tools)]
@@ -102,7 +112,7 @@ def chat_constraints(
             out.parser = lambda: CallsOnly(fmt.parser(plan))
         else:
             out.parser = lambda: fmt.parser(plan)
-    if gw.template.supports_tools and gw.template.supports_tool_calls:
+    if template is not None and template.supports_tools and template.supports_tool_calls:
         out.tools = req.tools if plan is not None else None
     elif plan is not None or _has_tool_history(messages):
         if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):

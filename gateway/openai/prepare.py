@@ -20,6 +20,7 @@ from typing import Literal
 
 from auth.principal import Principal
 from backend.protocol import Grammar, SamplingParams
+from gateway.catalog import ServedModel
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.generation.request import GenerationRequest
 from gateway.openai.constraints import chat_constraints
@@ -123,10 +124,6 @@ def seed_to_backend(seed: int | None) -> int | None:
     return seed % (2**63)
 
 
-def _vocab_size(gw: Gateway) -> int:
-    return gw.card.vocab_size or gw.tokenizer.vocab_size
-
-
 def _generation(
     req: SamplingFields,
     *,
@@ -134,6 +131,7 @@ def _generation(
     request_id: str | None,
     api: Api,
     model: str,
+    served: ServedModel,
     ids: list[int],
     sampling: SamplingParams,
     stops: list[str],
@@ -145,6 +143,7 @@ def _generation(
         request_id=request_id or prefix + uuid.uuid4().hex,
         api=api,
         model=model,
+        served=served,
         prompt_ids=ids,
         sampling=sampling,
         stops=stops,
@@ -172,22 +171,27 @@ async def prepare_chat(
     API translated into a ``ChatRequest`` (Ollama's ``format``); tools and ``response_format`` are resolved
     by ``gateway.openai.constraints``.
 
+    The model is resolved for ``principal`` (``Gateway.resolve``); its tokenizer, chat template, context
+    length and vocabulary are used, and the run goes to its backends (``GenerationRequest.served``).
+
     Raises:
-        NotFound: 404 unknown model. ServiceUnavailable: 503 no backend ready (no model card).
+        NotFound: 404 unknown model, or one the tenant may not use. ServiceUnavailable: 503 no backend of
+            the model ready (no model card).
         InvalidRequest: 400 naming the parameter (ranges, top_logprobs, template errors, max_tokens).
         ContextLengthExceeded: 400, the prompt fills the context. ContentFiltered: 400, a prompt hook.
     """
-    card = gw.card
-    model = gw.check_model(req.model)
-    max_param = validate_chat(req, vocab_size=_vocab_size(gw))
+    served = gw.resolve(req.model, principal)
+    context_length = served.context_length  # 503 before any backend of the model is ready
+    tokenizer, template = served.text()
+    max_param = validate_chat(req, vocab_size=served.vocab_size)
     stops = normalize_stop(req.stop)
     messages = req.messages
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
-    cons = chat_constraints(gw, req, messages, constraint)
+    cons = chat_constraints(served, req, messages, constraint)
     try:
         rendered = await gw.tokenize(
-            lambda: gw.template.render(
+            lambda: template.render(
                 cons.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -198,13 +202,14 @@ async def prepare_chat(
     except TemplateError as exc:  # the conversation is the client's fault: 400 with the same members
         raise InvalidRequest(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
     ids = rendered.ids
-    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, card.context_length, max_param=max_param)
+    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, context_length, max_param=max_param)
     gen = _generation(
         req,
         prefix="chatcmpl-",
         request_id=request_id,
         api=api,
-        model=model,
+        model=req.model,
+        served=served,
         ids=ids,
         sampling=sampling_params(req, max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0),
         stops=stops,
@@ -218,7 +223,7 @@ async def prepare_chat(
 
 
 async def _completion_prompt(
-    gw: Gateway, req: CompletionRequest, principal: Principal | None
+    gw: Gateway, served: ServedModel, req: CompletionRequest, principal: Principal | None
 ) -> tuple[list[int], object]:
     """(prompt token ids, the prompt for the log). Prompt hooks see a text prompt (a string or a
     one-string array) as one user message. A text prompt is tokenized as llama.cpp's server tokenizes one
@@ -231,10 +236,11 @@ async def _completion_prompt(
         p = (await gw.filters.check_prompt(principal, [{"role": "user", "content": p}]))[0]["content"]
     if isinstance(p, str):
         text = p
-        ids = await gw.tokenize(lambda: gw.tokenizer.encode_prompt(text), len(text))
+        tokenizer, _ = served.text()
+        ids = await gw.tokenize(lambda: tokenizer.encode_prompt(text), len(text))
     elif p and all(isinstance(x, int) for x in p):
         ids = [int(x) for x in p]
-        vocab = _vocab_size(gw)
+        vocab = served.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequest(
                 "'prompt' holds a token id outside the vocabulary.", param="prompt", code="invalid_value"
@@ -269,23 +275,24 @@ async def prepare_completion(
         NotFound, ServiceUnavailable, InvalidRequest, ContextLengthExceeded, ContentFiltered: as
         ``prepare_chat`` (``param`` "prompt" for the prompt).
     """
-    card = gw.card
-    model = gw.check_model(req.model)
-    validate_completion(req, vocab_size=_vocab_size(gw))
+    served = gw.resolve(req.model, principal)
+    context_length = served.context_length
+    validate_completion(req, vocab_size=served.vocab_size)
     stops = normalize_stop(req.stop)
     lp = req.logprobs
     so = formats.from_structured_outputs(req.structured_outputs)
     if constraint is None and so is not None:
         constraint = (so, "structured_outputs")
-    ids, prompt_log = await _completion_prompt(gw, req, principal)
+    ids, prompt_log = await _completion_prompt(gw, served, req, principal)
     requested = 16 if req.max_tokens is None else req.max_tokens
-    max_tokens = resolve_max_tokens(len(ids), requested, card.context_length, prompt_param="prompt")
+    max_tokens = resolve_max_tokens(len(ids), requested, context_length, prompt_param="prompt")
     gen = _generation(
         req,
         prefix="cmpl-",
         request_id=request_id,
         api=api,
-        model=model,
+        model=req.model,
+        served=served,
         ids=ids,
         sampling=sampling_params(req, max_tokens, logprobs=lp is not None, top_logprobs=lp or 0),
         stops=stops,

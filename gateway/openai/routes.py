@@ -37,7 +37,8 @@ async def chat_completions(request: Request) -> CallResponse:
     greq = await prepare_chat(gw, req, principal=principal, api="openai", t_arrival=rec.t_arrival)
     greq.inspect = req.inspect
     render = ChatStream if greq.stream else ChatBody
-    return generation_response(gw, greq, partial(render, gw, greq), rec, inspect_store(request))
+    names = greq.served or gw.catalog.default  # the token texts of logprobs: the resolved model's
+    return generation_response(gw, greq, partial(render, names, greq), rec, inspect_store(request))
 
 
 async def completions(request: Request) -> CallResponse:
@@ -49,4 +50,5 @@ async def completions(request: Request) -> CallResponse:
     greq = await prepare_completion(gw, req, principal=principal, api="openai", t_arrival=rec.t_arrival)
     greq.inspect = req.inspect
     render = CompletionStream if greq.stream else CompletionBody
-    return generation_response(gw, greq, partial(render, gw, greq), rec, inspect_store(request))
+    names = greq.served or gw.catalog.default
+    return generation_response(gw, greq, partial(render, names, greq), rec, inspect_store(request))

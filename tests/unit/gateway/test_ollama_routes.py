@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 import gateway.generation.response as response_module
 import gateway.ollama.routes as routes_module
 from backend.protocol import ModelCard, SamplingParams
+from gateway.catalog import ModelCatalog, ServedModel
 from gateway.errors import APIError, AuthenticationError, RateLimited
 from gateway.generation.events import ChoiceFinished, Completed, Ended, Heartbeat, Started, TextDelta
 from gateway.generation.request import GenerationRequest
@@ -44,6 +45,7 @@ class StandInGateway:
 
     config = HTTPSettings()
     pool = Pool()
+    catalog = ModelCatalog([ServedModel(None, pool=Pool())])  # type: ignore[arg-type]
 
     async def authenticate(self, request):
         if request.headers.get("authorization") != f"Bearer {KEY}":
