@@ -162,7 +162,7 @@ def test_tcp_listener_without_a_secret_does_not_start(tmp_path):
     assert out.returncode == 2 and "at least 16" in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)  # the backends' start (fixture) counts
 @pytest.mark.parametrize("which", ["plain", "tls"])
 def test_unauthenticated_connections_are_refused_before_any_submit(link, which):
     secret, _, _, plain, tls_backend = link
@@ -500,3 +500,24 @@ def test_gateway_with_the_wrong_secret_stops_at_start_with_one_line(link, tmp_pa
     assert out.returncode == 1 and last.startswith("python -m gateway serve: error: "), out.stderr[-2000:]
     assert "authentication failed" in last and "proof of the shared secret" in last, last
     assert "wrong proof of the secret" in tls_backend.log.read_text()
+
+
+def test_backend_urls_and_link_credentials(tmp_path):
+    """No model: the URL forms and the start-up errors of the gateway's link settings."""
+    from gateway.backends.address import is_network_url, link_credentials, parse_backend_url
+
+    assert parse_backend_url("tls://10.0.0.7:7000") == ("tls", ("10.0.0.7", 7000))
+    assert parse_backend_url("tcp+tls://[::1]:7000") == ("tls", ("::1", 7000))
+    assert parse_backend_url("tcp://h:1") == ("tcp", ("h", 1)) and parse_backend_url("unix:/s") == (
+        "unix",
+        "/s",
+    )
+    assert is_network_url("tls://h:1") and is_network_url("tcp://h:1") and not is_network_url("unix:/s")
+    with pytest.raises(ValueError, match="lacks a port"):
+        parse_backend_url("tls://h")
+    assert link_credentials(None, None, {}).secret is None
+    assert link_credentials(None, None, {P.SECRET_ENV: "s" * 16}).secret == b"s" * 16
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    with pytest.raises(ValueError, match=f"cannot load the backend CA file {bad}"):
+        link_credentials(None, str(bad), {})
