@@ -2,7 +2,8 @@
 
 ::
 
-    GET  /backends                         -> BackendList (every native model's backends, engine stats)
+    GET  /backends                         -> BackendList (every native model's backends, engine stats;
+                                              each model's routing policy and counters)
     POST /backends/{id}/drain[?wait=S]     -> Backend (no new request routed to it; in-flight ones finish;
                                               ``wait``: answer once it has none in flight, or after S s)
     POST /backends/{id}/undrain            -> Backend (takes requests again)
@@ -81,9 +82,36 @@ class Backend(msgspec.Struct, kw_only=True):
     stats: BackendEngineStats | None = None  # null: not running, or no answer in time
 
 
+class Routing(msgspec.Struct, kw_only=True):
+    """One model's routing policy (``[backend] routing``) and how its requests went since the start."""
+
+    model: str
+    policy: Literal["prefix", "least-loaded"]
+    prefix_blocks: Count
+    max_waiting: Count
+    routed_prefix: Annotated[int, msgspec.Meta(ge=0, description="requests sent to their preferred backend")]
+    routed_fallback: Annotated[
+        int, msgspec.Meta(ge=0, description="requests sent least-loaded instead (the load bound)")
+    ]
+
+
 class BackendList(msgspec.Struct, kw_only=True):
     object: Literal["list"] = "list"
     data: list[Backend]
+    routing: list[Routing]
+
+
+def routing_object(model: str, pool: BackendPool) -> Routing:
+    r = pool.router
+    c = r.config
+    return Routing(
+        model=model,
+        policy=c.policy,
+        prefix_blocks=c.prefix_blocks,
+        max_waiting=c.max_waiting,
+        routed_prefix=r.routed_prefix,
+        routed_fallback=r.routed_fallback,
+    )
 
 
 def _reply(obj: msgspec.Struct) -> Response:
@@ -156,8 +184,10 @@ class BackendAdmin:
         raise NotFound(f"No backend named '{shown}'.", param="backend_id", code="backend_not_found")
 
     async def list_backends(self, request: Request) -> Response:
-        """GET /admin/v1/backends: every backend with its state and engine stats (asked of all at once)."""
-        rows = [(model, pool, s) for model, pool in self.pools() for s in pool.supervisors]
+        """GET /admin/v1/backends: every backend with its state and engine stats (asked of all at once), and
+        each model's routing counters."""
+        pools = self.pools()
+        rows = [(model, pool, s) for model, pool in pools for s in pool.supervisors]
         stats: list[BackendEngineStats | None] = [None] * len(rows)
 
         async def ask(i: int, s: BackendSupervisor) -> None:
@@ -167,7 +197,7 @@ class BackendAdmin:
             for i, (_, _, s) in enumerate(rows):
                 nursery.start_soon(ask, i, s)
         data = [backend_object(m, p, s, st) for (m, p, s), st in zip(rows, stats, strict=True)]
-        return _reply(BackendList(data=data))
+        return _reply(BackendList(data=data, routing=[routing_object(m, p) for m, p in pools]))
 
     async def drain(self, request: Request) -> Response:
         """POST /admin/v1/backends/{id}/drain[?wait=S]: route no new request to it; with ``wait``, answer once

@@ -155,8 +155,12 @@ def test_admin_backends_list_drain_undrain(make_gateway):
     assert sorted(delta.values()) == [0, 3], delta  # one system prompt: one backend
     home = max(delta, key=delta.__getitem__)
     other = next(k for k in delta if k != home)
-    hit = next(b for b in httpx.get(url, headers=A, timeout=30).json()["data"] if b["id"] == home)
+    listing = httpx.get(url, headers=A, timeout=30).json()
+    hit = next(b for b in listing["data"] if b["id"] == home)
     assert hit["stats"]["prefix_cache_hit_rate"] > 0
+    (routing,) = listing["routing"]
+    assert (routing["model"], routing["policy"], routing["prefix_blocks"]) == (gp.model, "prefix", 8)
+    assert routing["routed_prefix"] >= 3
 
     r = httpx.post(f"{url}/{home}/drain?wait=10", headers=A, timeout=30)
     assert r.status_code == 200, r.text
