@@ -118,20 +118,17 @@ class BackendPool:
         ]
 
     def _choose(self, prompt_ids: Sequence[int] | None, salt: str) -> BackendClient | None:
-        live = self._live()
-        if not live:
-            return None
-        clients = [s.client for s in live]
-        if len(clients) == 1:
-            return clients[0]
+        live = [(s, s.client) for s in self._live() if s.client is not None]
+        if len(live) <= 1:
+            return live[0][1] if live else None
         i = self.router.choose(
-            [route_id(s) for s in live],
-            [c.in_flight for c in clients],  # type: ignore[union-attr]
+            [route_id(s) for s, _ in live],
+            [c.in_flight for _, c in live],
             prompt_ids,
             salt,
-            clients[0].ready.block_size,  # type: ignore[union-attr]
+            live[0][1].ready.block_size,
         )
-        return clients[i]
+        return live[i][1]
 
     async def pick(self, prompt_ids: Sequence[int] | None = None, salt: str = "") -> BackendClient:
         """A ready, undrained client for a request with these prompt token ids and ``Submit.cache_salt``
