@@ -302,9 +302,10 @@ async def test_spawned_tcp_backend_gets_its_secret_in_the_environment(tmp_path):
             await sup.stop(grace=1)
 
 
-async def _flaky_backend(secret: bytes, accepting, task_status) -> None:
-    """A backend (no model) on a fixed port that completes the handshake while ``accepting`` holds a True, and
-    closes every connection at once otherwise; it hangs up the first accepted link after 0.2 s."""
+async def _flaky_backend(secret: bytes, accepting, after: str, task_status) -> None:
+    """A backend (no model) on a fixed port that completes the handshake while ``accepting`` holds a True;
+    otherwise it closes every connection at once (``after="close"``) or refuses the proof (``"refuse"``).
+    It hangs up the first accepted link after 0.2 s."""
     import trio
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -312,7 +313,7 @@ async def _flaky_backend(secret: bytes, accepting, task_status) -> None:
     served = 0
     while True:
         stream = await listeners[0].accept()
-        if not accepting[0]:
+        if not accepting[0] and after == "close":
             await stream.aclose()
             continue
         dec = P.to_backend_decoder()
@@ -320,6 +321,12 @@ async def _flaky_backend(secret: bytes, accepting, task_status) -> None:
         nonce = P.new_nonce()
         await stream.send_all(P.encode_frame(P.Challenge(nonce=nonce)))
         dec.feed(await stream.receive_some(65536))
+        if not accepting[0]:
+            await stream.send_all(
+                P.encode_frame(P.Fatal(message="wrong or missing proof of the shared secret"))
+            )
+            await stream.aclose()
+            continue
         ready = P.Ready(
             version=P.PROTOCOL_VERSION,
             model_card=P.ModelCard(name="fake"),
@@ -349,7 +356,7 @@ async def test_external_backend_is_reconnected_with_backoff_then_unavailable_the
     secret = os.urandom(16).hex().encode()
     accepting = [True]
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(_flaky_backend, secret, accepting)
+        port = await nursery.start(_flaky_backend, secret, accepting, "close")
         sup = S.BackendSupervisor(
             url=f"tcp://127.0.0.1:{port}", max_failures=4, credentials=LinkCredentials(secret=secret)
         )
@@ -371,6 +378,29 @@ async def test_external_backend_is_reconnected_with_backoff_then_unavailable_the
             while (client := sup.client) is None:  # noqa: ASYNC110 - polling the actor from outside
                 await trio.sleep(0.01)
         assert client.alive and sup.state == "ready" and sup.restarts >= 4, sup.info()
+        with trio.fail_after(10):
+            await sup.stop()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_proof_after_a_good_start_is_unavailable_at_once():
+    """The backend came back with another secret: no backoff ladder (waiting would not fix it)."""
+    import trio
+
+    from gateway.backends import supervisor as S
+    from gateway.backends.address import LinkCredentials
+
+    secret = os.urandom(16).hex().encode()
+    accepting = [True]
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_flaky_backend, secret, accepting, "refuse")
+        sup = S.BackendSupervisor(url=f"tcp://127.0.0.1:{port}", credentials=LinkCredentials(secret=secret))
+        with trio.fail_after(10):
+            await nursery.start(sup.run)
+        with trio.fail_after(5):
+            while sup.state != "unavailable":  # noqa: ASYNC110 - polling the actor from outside
+                await trio.sleep(0.01)
+        assert sup.failures == 2 and sup.last_error.startswith("authentication failed: "), sup.info()
         with trio.fail_after(10):
             await sup.stop()
         nursery.cancel_scope.cancel()
