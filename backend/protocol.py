@@ -482,6 +482,11 @@ def encode_frame(msg: msgspec.Struct) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
+def frame_length(header: bytes) -> int:
+    """The body length a frame's 4-byte header announces (bytes)."""
+    return _HEADER.unpack(header)[0]
+
+
 class FrameDecoder:
     """Incremental decoder of length-prefixed frames into messages of one union.
 

@@ -215,7 +215,7 @@ class Connection:
 
     def _handshake_frame(self, deadline: float, refusal: HandshakeRefused) -> P.Hello | P.Proof:
         """The next frame, a ``Hello`` or a ``Proof``; ``refusal`` is raised for any other frame."""
-        (n,) = P._HEADER.unpack(self._recv_exact(4, deadline))
+        n = P.frame_length(self._recv_exact(4, deadline))
         if n > P.MAX_HANDSHAKE_FRAME_BYTES:
             raise HandshakeRefused(f"{refusal} (a frame of {n} bytes)", refusal.fatal)
         try:
