@@ -1,0 +1,152 @@
+"""Tenants restricted to a list of models, and limits per tenant and model, through the real gateway (``python -m
+gateway serve`` + backend, the shared fixture), the admin API over HTTP and the official openai client.
+
+The shared gateway serves one model (its served name ``gateway.model``), so the restriction is checked with that
+name and a name it does not serve (accepted by the admin API: a model may be added later); a model's limits
+leaving the tenant's other models alone is checked in ``tests/unit/ratelimit/test_admission.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+ELSEWHERE = "a-model-served-elsewhere"
+
+
+def admin(gp, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.request(
+        method, gp.base_url + "/admin/v1" + path, json=body, headers=gp.admin_headers(), timeout=30
+    )
+
+
+def tenant_with_key(gp, key_body: dict | None = None, **tenant_body) -> tuple[dict, str]:
+    r = admin(gp, "POST", "/tenants", {"name": "models-" + os.urandom(4).hex(), **tenant_body})
+    assert r.status_code == 201, r.text
+    t = r.json()
+    r = admin(gp, "POST", f"/tenants/{t['id']}/keys", key_body or {})
+    assert r.status_code == 201, r.text
+    return t, r.json()["key"]
+
+
+def client(gp, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gp.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(gp, key: str, model: str):
+    return client(gp, key).chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=1
+    )
+
+
+def test_admin_api_models_and_model_limits(gateway):
+    """Created, read back, changed and cleared; a bad shape is a 400 naming the place; the OpenAPI document
+    has the members."""
+    t, _ = tenant_with_key(
+        gateway,
+        models=[gateway.model, ELSEWHERE, gateway.model],
+        model_limits={ELSEWHERE: {"rpm": 5, "window_s": 30}},
+    )
+    assert t["models"] == [gateway.model, ELSEWHERE]  # each name once
+    assert t["model_limits"] == {
+        ELSEWHERE: {"rpm": 5, "tpm": None, "max_concurrent": None, "daily_tokens": None, "window_s": 30.0}
+    }
+    assert admin(gateway, "GET", f"/tenants/{t['id']}").json()["models"] == [gateway.model, ELSEWHERE]
+    r = admin(gateway, "PATCH", f"/tenants/{t['id']}", {"model_limits": {ELSEWHERE: {"tpm": 9}}})
+    assert r.json()["model_limits"][ELSEWHERE] == {  # replaced; the entry's window stays
+        "rpm": None,
+        "tpm": 9,
+        "max_concurrent": None,
+        "daily_tokens": None,
+        "window_s": 30.0,
+    }
+    r = admin(gateway, "PATCH", f"/tenants/{t['id']}", {"models": None, "model_limits": None})
+    assert (r.json()["models"], r.json()["model_limits"]) == (None, {})
+    r = admin(gateway, "POST", f"/tenants/{t['id']}/keys", {"models": [ELSEWHERE]})
+    assert r.status_code == 201 and r.json()["models"] == [ELSEWHERE]
+    r = admin(gateway, "PATCH", f"/keys/{r.json()['id']}", {"models": None})
+    assert r.status_code == 200 and r.json()["models"] is None
+
+    bad = [
+        ("POST", "/tenants", {"name": "x", "models": [gateway.model, ""]}, "models[1]", "invalid_value"),
+        ("POST", "/tenants", {"name": "x", "models": gateway.model}, "models", "invalid_type"),
+        (
+            "POST",
+            "/tenants",
+            {"name": "x", "model_limits": {"": {"rpm": 1}}},
+            "model_limits",
+            "invalid_value",
+        ),
+        ("PATCH", f"/tenants/{t['id']}", {"model_limits": {"m": {"rpm": -1}}}, "model_limits.m.rpm", None),
+        ("PATCH", f"/tenants/{t['id']}", {"model_limits": {"m": {"bogus": 1}}}, "model_limits.m.bogus", None),
+        ("POST", f"/tenants/{t['id']}/keys", {"models": [" padded"]}, "models[0]", "invalid_value"),
+    ]
+    for method, path, body, param, code in bad:
+        r = admin(gateway, method, path, body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and err["code"], (body, r.text)
+        assert code is None or err["code"] == code, (body, err)
+    assert (
+        admin(gateway, "PATCH", f"/tenants/{t['id']}", {"model_limits": {"m": {"bogus": 1}}}).json()["error"][
+            "code"
+        ]
+        == "unknown_parameter"
+    )
+
+    schemas = httpx.get(gateway.base_url + "/openapi.json", timeout=30).json()["components"]["schemas"]
+    for name in ("TenantCreate", "TenantPatch", "Tenant"):
+        assert {"models", "model_limits"} <= set(schemas[name]["properties"]), name
+    for name in ("KeyCreate", "KeyPatch", "ApiKey"):
+        assert "models" in schemas[name]["properties"], name
+
+
+def test_a_tenant_restricted_to_models_gets_404_for_another(gateway):
+    """Allowed: the model answers. Restricted to another name: 404 model_not_found, as for an unknown model,
+    and the listing is empty. A key's own list narrows its tenant's the same way."""
+    _, allowed = tenant_with_key(gateway, models=[gateway.model])
+    assert chat(gateway, allowed, gateway.model).http_response.status_code == 200
+    assert [m.id for m in client(gateway, allowed).models.list()] == [gateway.model]
+
+    _, other = tenant_with_key(gateway, models=[ELSEWHERE])
+    with pytest.raises(openai.NotFoundError) as ei:
+        chat(gateway, other, gateway.model)
+    assert ei.value.status_code == 404 and ei.value.code == "model_not_found" and ei.value.param == "model"
+    assert [m.id for m in client(gateway, other).models.list()] == []
+
+    _, narrowed = tenant_with_key(gateway, key_body={"models": [ELSEWHERE]})  # the tenant may use every model
+    with pytest.raises(openai.NotFoundError) as ei:
+        chat(gateway, narrowed, gateway.model)
+    assert ei.value.code == "model_not_found"
+
+
+def test_a_limit_per_model_gives_429_naming_the_model(gateway):
+    """The model's rpm (1 an hour) is spent by the first request; the second gets the 429 naming the model, while
+    the tenant-wide limit (50) has room; the tenant's ledger counts only the admitted one."""
+    t, key = tenant_with_key(
+        gateway,
+        limits={"rpm": 50, "window_s": 3600},
+        model_limits={gateway.model: {"rpm": 1, "window_s": 3600}},
+    )
+    first = chat(gateway, key, gateway.model)
+    assert first.http_response.status_code == 200
+    assert first.headers["x-ratelimit-limit-requests"] == "1"  # the tightest scope: the model's
+    with pytest.raises(openai.RateLimitError) as ei:
+        chat(gateway, key, gateway.model)
+    e = ei.value
+    assert e.status_code == 429 and e.code == "rate_limit_exceeded"
+    assert f"model {gateway.model} of tenant {t['name']}" in e.message and "Limit 1" in e.message
+    assert (
+        e.response.headers["x-ratelimit-limit-requests"] == "1"
+        and int(e.response.headers["retry-after"]) >= 1
+    )
+    usage = httpx.get(gateway.base_url + "/v1/usage", headers={"authorization": f"Bearer {key}"}, timeout=30)
+    assert usage.json()["totals"]["requests"] == 1
+
+    # the model's limit lifted: the tenant-wide one still applies, and the next request passes
+    r = admin(gateway, "PATCH", f"/tenants/{t['id']}", {"model_limits": {}})
+    assert r.status_code == 200 and r.json()["model_limits"] == {}
+    assert chat(gateway, key, gateway.model).headers["x-ratelimit-limit-requests"] == "50"
