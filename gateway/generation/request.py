@@ -28,11 +28,13 @@ Fields:
     inspect: the client asked for an inspection record (the gateway extension ``"inspect": true``): the
         backend records each choice's timeline and the run's record is kept for the tenant to read back
         (``gateway.inspector``).
+    upstream: the run of a model served elsewhere (kind ``openai``, ``gateway.upstream.entry``), None for a
+        native model: ``run_generation`` hands it the sink.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import msgspec
@@ -40,6 +42,7 @@ import msgspec
 from auth.principal import Principal
 from backend.protocol import Grammar, SamplingParams
 from gateway.catalog import ServedModel
+from gateway.generation.events import EventSink
 from gateway.structured.checker import GrammarCheck
 from gateway.tools.parser import ToolParser
 from gateway.tools.spec import ToolPlan
@@ -65,6 +68,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     tools: ToolPlan | None = None
     tool_parser: Callable[[], ToolParser] | None = None
     inspect: bool = False
+    upstream: Callable[[EventSink], Awaitable[None]] | None = None
 
     @property
     def tenant_id(self) -> str:

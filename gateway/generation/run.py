@@ -363,4 +363,6 @@ async def run_generation(gw: Gateway, req: GenerationRequest, sink: EventSink) -
             renderer reports it in its own framing.
         trio.Cancelled: the client went away (billed with status 499, every token generated counted).
     """
+    if req.upstream is not None:  # a model of kind openai: gateway.upstream.run (the same events)
+        return await req.upstream(sink)
     await _Run(gw, req, sink).run()

@@ -30,6 +30,7 @@ from gateway.state import Gateway
 from gateway.stops import normalize_stop
 from gateway.structured import formats
 from gateway.structured.checker import GrammarCheck
+from gateway.upstream.entry import upstream_chat, upstream_completion
 from templating.errors import TemplateError
 
 Api = Literal["openai", "ollama"]
@@ -181,6 +182,17 @@ async def prepare_chat(
         ContextLengthExceeded: 400, the prompt fills the context. ContentFiltered: 400, a prompt hook.
     """
     served = gw.resolve(req.model, principal)
+    if served.kind == "openai":
+        return await upstream_chat(
+            gw,
+            served,
+            req,
+            principal=principal,
+            api=api,
+            t_arrival=t_arrival,
+            request_id=request_id,
+            constraint=constraint,
+        )
     context_length = served.context_length  # 503 before any backend of the model is ready
     tokenizer, template = served.text()
     max_param = validate_chat(req, vocab_size=served.vocab_size)
@@ -276,6 +288,10 @@ async def prepare_completion(
         ``prepare_chat`` (``param`` "prompt" for the prompt).
     """
     served = gw.resolve(req.model, principal)
+    if served.kind == "openai":
+        return await upstream_completion(
+            gw, served, req, principal=principal, api=api, t_arrival=t_arrival, request_id=request_id
+        )
     context_length = served.context_length
     validate_completion(req, vocab_size=served.vocab_size)
     stops = normalize_stop(req.stop)

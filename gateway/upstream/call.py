@@ -8,11 +8,12 @@ the ``UpstreamCall`` the run sends.
 What passes through: every field the client set (``msgspec`` defaults left out), ``tools``,
 ``tool_choice``, ``response_format``, ``structured_outputs`` and the sampling fields included, with
 ``model`` replaced by the upstream's name and ``stream: true`` + ``stream_options.include_usage`` always
-(the gateway streams from the upstream and answers the client in the form it asked). Not passed: the
-gateway's own ``inspect``. Checked here (400 naming the parameter): ``n``, ``max_tokens`` /
-``max_completion_tokens``, ``stream_options`` without ``stream``; ``logprobs`` is refused
-(``unsupported_parameter``: the events carry logprobs as this gateway's token ids); the rest is the
-upstream's to refuse (its 4xx comes back with its message).
+(the gateway streams from the upstream and answers the client in the form it asked); an Ollama ``format``
+(a JSON Schema) as ``response_format``. Checked here (400 naming the parameter): ``n``, ``max_tokens`` /
+``max_completion_tokens``, ``stream_options`` without ``stream``; refused (``unsupported_parameter``):
+``logprobs`` (the events carry logprobs as this gateway's token ids) and the gateway's own ``inspect``
+(an inspection record is the engine's timeline); the rest is the upstream's to refuse (its 4xx comes back
+with its message).
 
 ``send = "prompt"``: the chat template of the model's tokenizer renders the conversation here and the
 upstream gets ``/completions`` with that ``prompt`` (its token count exact); ``tools`` are refused there
@@ -98,7 +99,18 @@ def _raise(v: Violation | None) -> None:
         raise InvalidRequest(v.message, param=v.param, code="invalid_value")
 
 
-def _checked(req: SamplingFields, max_tokens: int | None, max_param: str) -> None:
+def _unsupported(param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"'{param}' is not supported for this upstream model.", param=param, code="unsupported_parameter"
+    )
+
+
+def _checked(req: SamplingFields, max_tokens: int | None, max_param: str, *, logprobs: bool) -> None:
+    """The checks made here (see the module docstring). Raises ``InvalidRequest`` naming the parameter."""
+    if logprobs:
+        raise _unsupported("logprobs")
+    if req.inspect:
+        raise _unsupported("inspect")
     _raise(check_n(req.n))
     _raise(check_max_tokens(max_tokens, param=max_param))
     if req.stream_options is not None and not req.stream:
@@ -129,11 +141,7 @@ def _grammar_field(constraint: tuple[Grammar, str] | None) -> dict[str, Any]:
         return {}
     grammar, param = constraint
     if grammar.kind != "json_schema":
-        raise InvalidRequest(
-            f"'{param}' of kind {grammar.kind} is not supported by this upstream model.",
-            param=param,
-            code="unsupported_parameter",
-        )
+        raise _unsupported(param)
     schema = msgspec.json.decode(grammar.source)
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": schema}}}
 
@@ -205,13 +213,7 @@ async def chat_call(
     """
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    _checked(req, requested, max_param)
-    if req.logprobs or req.top_logprobs:
-        raise InvalidRequest(
-            "'logprobs' is not supported for this upstream model.",
-            param="logprobs",
-            code="unsupported_parameter",
-        )
+    _checked(req, requested, max_param, logprobs=req.logprobs or bool(req.top_logprobs))
     messages = req.messages
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(origin.principal, messages)
@@ -224,11 +226,7 @@ async def chat_call(
     chars = sum(len(t) for t in message_texts(messages))
     if cfg.send == "prompt":
         if req.tools:
-            raise InvalidRequest(
-                "'tools' is not supported for this upstream model (it is sent a rendered prompt).",
-                param="tools",
-                code="unsupported_parameter",
-            )
+            raise _unsupported("tools")  # the rendered prompt's answer is not parsed for calls
         if model.template is None:
             raise InvalidRequest(
                 "This model has no chat template here.", param="messages", code="invalid_value"
@@ -277,13 +275,7 @@ async def completion_call(
         InvalidRequest: as ``chat_call`` (``logprobs``); ContentFiltered: 400, a prompt hook.
     """
     requested = 16 if req.max_tokens is None else req.max_tokens
-    _checked(req, requested, "max_tokens")
-    if req.logprobs is not None:
-        raise InvalidRequest(
-            "'logprobs' is not supported for this upstream model.",
-            param="logprobs",
-            code="unsupported_parameter",
-        )
+    _checked(req, requested, "max_tokens", logprobs=req.logprobs is not None)
     fields = passed_fields(req)
     p: Any = req.prompt
     if gw.filters is not None and isinstance(p, str):
