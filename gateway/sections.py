@@ -34,7 +34,9 @@ class HTTPSettings(Section):
     thread_tokenize_chars: Annotated[
         int, _opt("prompts longer than this (characters) are tokenized in a worker thread; 0: never", ge=0)
     ] = 8192
-    served_model_name: Annotated[list[str], _opt("extra accepted model name")] = []
+    served_model_name: Annotated[
+        list[str], _opt("alias of the one model without [[models]] (listed after its name)")
+    ] = []
     grammar_max_bytes: Annotated[int, _opt("largest grammar or JSON Schema in bytes (400 beyond)", ge=1)] = (
         128 * 1024
     )
@@ -56,8 +58,15 @@ class HTTPSettings(Section):
 class BackendSettings(Section):
     """``[backend]``: which backends serve, and how the gateway talks to them."""
 
-    model: Annotated[str | None, _opt("model path (GGUF file or HF dir); default: the default model")] = None
-    tokenizer: Annotated[str | None, _opt("tokenizer/template source (default: the model)")] = None
+    model: Annotated[
+        str | None,
+        _opt(
+            "model path (GGUF file or HF dir) of the one model without [[models]]; default: the default model"
+        ),
+    ] = None
+    tokenizer: Annotated[
+        str | None, _opt("tokenizer/template source of the one model without [[models]] (default: the model)")
+    ] = None
     backend_url: Annotated[
         list[str],
         _opt("unix:PATH, tcp://HOST:PORT or tls://HOST:PORT of a running backend; none is spawned then"),
@@ -72,7 +81,9 @@ class BackendSettings(Section):
         str | None,
         _opt("CA certificates (PEM) that tls:// backends are verified with (default: the system's)"),
     ] = None
-    backends: Annotated[int, _opt("backend processes to spawn (without --backend-url)", ge=1)] = 1
+    backends: Annotated[
+        int, _opt("backend processes to spawn (without --backend-url or [[models]])", ge=1)
+    ] = 1
     backend_wait: Annotated[float, _opt("seconds a request waits for a restarting backend", ge=0)] = 30.0
     backend_startup_timeout: Annotated[float, _opt("seconds a spawned backend gets to be ready", gt=0)] = (
         600.0

@@ -1,0 +1,227 @@
+"""Several models served by one gateway (the model catalog, gateway/catalog.py), through the official ``openai``
+client, the Ollama API and the admin stats.
+
+One gateway for the module, declared by a TOML ``[[models]]`` config: the default GGUF in bfloat16 as
+``smol-bf16`` (alias ``smol``) and the same file in float32 as ``smol-f32`` (alias ``smol-exact``, a KV pool of
+``F32_BLOCKS`` blocks, a ``context_length`` of ``F32_CONTEXT``), each with its own backend process. Checked:
+
+* each request lands on its model's backend: the per-backend engine counters of ``/admin/v1/stats`` (each
+  backend names its model) move only for the backend of the model asked for, by its name or an alias,
+  through /v1/chat/completions, /v1/completions and Ollama's /api/chat;
+* per-model engine settings reach the backends (dtype, KV pool size), the declared context length is the
+  one served (``/v1/models``; a request over it is a 400);
+* ``/v1/models`` and ``/api/tags`` list both models and their aliases; ``/v1/models/{id}`` answers an alias;
+* an unknown model is a 404 ``model_not_found`` (``openai.NotFoundError``), and so is a model the tenant
+  may not use (a tenant whose ``models`` lists only ``smol-f32``), which its listings leave out;
+* the ``--serve-model`` flag's syntax and the settings errors of model declarations (no gateway).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import openai
+import pytest
+from plugins.gateway_server import GatewayProc, start_gateway
+
+from gateway.options import model_engine
+from gateway.settings import SettingsError, load_settings
+
+F32_BLOCKS = 48
+F32_CONTEXT = 512
+CONFIG = f"""
+[[models]]
+name = "smol-bf16"
+aliases = ["smol"]
+dtype = "bfloat16"
+num_kv_blocks = 96
+
+[[models]]
+name = "smol-f32"
+aliases = ["smol-exact"]
+dtype = "float32"
+num_kv_blocks = {F32_BLOCKS}
+context_length = {F32_CONTEXT}
+"""
+NAMES = {"smol-bf16": "smol-bf16", "smol": "smol-bf16", "smol-f32": "smol-f32", "smol-exact": "smol-f32"}
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory) -> GatewayProc:
+    path = tmp_path_factory.mktemp("models") / "gateway.toml"
+    path.write_text(CONFIG)
+    gp = start_gateway("--config", str(path), dtype=None)
+    try:
+        yield gp
+    finally:
+        gp.stop()
+
+
+def _finished(gp: GatewayProc) -> dict[str, int]:
+    """Requests each model's backend finished (``/admin/v1/stats``), by model."""
+    out: dict[str, int] = {}
+    for b in gp.stats()["backends"]:
+        out[b["model"]] = out.get(b["model"], 0) + b["stats"]["requests_finished"]
+    return out
+
+
+def _settled(gp: GatewayProc, want: dict[str, int]) -> dict[str, int]:
+    """The counters once they reach ``want`` (a backend reports a finish a moment after the response)."""
+    deadline = time.monotonic() + 10
+    seen = _finished(gp)
+    while seen != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen = _finished(gp)
+    return seen
+
+
+def test_each_request_lands_on_its_models_backend(two_models):
+    gp = two_models
+    client = gp.openai(timeout=60)
+    counts = _finished(gp)
+    assert set(counts) == {"smol-bf16", "smol-f32"}
+    for asked in ("smol-bf16", "smol-exact"):  # a served name, an alias of the other model
+        r = client.chat.completions.create(
+            model=asked, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0
+        )
+        assert r.model == asked and r.usage.completion_tokens == 1
+        counts[NAMES[asked]] += 1
+        assert _settled(gp, counts) == counts, asked  # only the served model's backend moved
+    r = client.completions.create(model="smol-f32", prompt="The sky is", max_tokens=1, temperature=0)
+    counts["smol-f32"] += 1
+    assert r.choices[0].text and _settled(gp, counts) == counts
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "stream": False}
+    body["options"] = {"num_predict": 1}
+    resp = httpx.post(gp.base_url + "/api/chat", json=body, headers=gp.headers(), timeout=60)
+    assert resp.status_code == 200, resp.text
+    counts["smol-bf16"] += 1
+    assert _settled(gp, counts) == counts
+
+
+def test_engine_settings_and_context_length_per_model(two_models):
+    gp = two_models
+    backends = {b["model"]: b["stats"] for b in gp.stats()["backends"]}
+    assert backends["smol-f32"]["kv_blocks_total"] == F32_BLOCKS
+    assert backends["smol-bf16"]["kv_blocks_total"] == 96
+    client = gp.openai(timeout=60)
+    listed = {m.id: m.model_dump() for m in client.models.list().data}
+    assert listed["smol-f32"]["dtype"] == "float32" and listed["smol-bf16"]["dtype"] == "bfloat16"
+    assert listed["smol-exact"]["context_length"] == F32_CONTEXT
+    assert listed["smol"]["context_length"] > F32_CONTEXT
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="smol-f32", messages=[{"role": "user", "content": "Hi"}], max_tokens=F32_CONTEXT
+        )
+    assert exc.value.code == "invalid_value" and exc.value.param == "max_tokens"
+
+
+def test_listings_name_every_model_and_alias(two_models):
+    gp = two_models
+    client = gp.openai(timeout=30)
+    listed = {m.id: m.model_dump() for m in client.models.list().data}
+    assert set(listed) == set(NAMES)
+    assert {name: m["root"] for name, m in listed.items()} == NAMES
+    alias = client.models.retrieve("smol-exact")
+    assert alias.id == "smol-exact" and alias.model_dump() == listed["smol-exact"]
+    tags = httpx.get(gp.base_url + "/api/tags", headers=gp.headers(), timeout=30).json()
+    assert [m["name"] for m in tags["models"]] == list(NAMES)
+    show = httpx.post(
+        gp.base_url + "/api/show", json={"model": "smol-exact"}, headers=gp.headers(), timeout=30
+    )
+    assert show.status_code == 200 and show.json()["model_info"]["llama.context_length"] == F32_CONTEXT
+
+
+def test_unknown_model_is_404_model_not_found(two_models):
+    client = two_models.openai(timeout=30)
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="smol-f16", messages=[{"role": "user", "content": "Hi"}])
+    assert exc.value.code == "model_not_found" and exc.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("smol-f16")
+    resp = httpx.post(
+        two_models.base_url + "/api/show",
+        json={"model": "smol-f16"},
+        headers=two_models.headers(),
+        timeout=30,
+    )
+    assert resp.status_code == 404 and resp.json()["code"] == "model_not_found"
+
+
+def test_a_tenant_sees_and_uses_only_its_models(two_models):
+    gp = two_models
+    admin = gp.admin_headers()
+    r = httpx.post(
+        gp.base_url + "/admin/v1/tenants",
+        json={"name": "f32-only-" + os.urandom(4).hex(), "models": ["smol-f32"]},
+        headers=admin,
+        timeout=30,
+    )
+    assert r.status_code == 201, r.text
+    r = httpx.post(
+        gp.base_url + f"/admin/v1/tenants/{r.json()['id']}/keys", json={}, headers=admin, timeout=30
+    )
+    assert r.status_code == 201, r.text
+    client = openai.OpenAI(base_url=gp.base_url + "/v1", api_key=r.json()["key"], max_retries=0, timeout=60)
+    assert {m.id for m in client.models.list().data} == {"smol-f32", "smol-exact"}
+    for name in ("smol-bf16", "smol"):
+        with pytest.raises(openai.NotFoundError) as exc:
+            client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+            )
+        assert exc.value.code == "model_not_found"
+        assert exc.value.message.endswith("Available: smol-f32, smol-exact.")  # only the tenant's
+    r = client.chat.completions.create(
+        model="smol-exact", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+    )
+    assert r.usage.completion_tokens == 1
+    tags = httpx.get(
+        gp.base_url + "/api/tags", headers={"Authorization": f"Bearer {client.api_key}"}, timeout=30
+    )
+    assert [m["name"] for m in tags.json()["models"]] == ["smol-f32", "smol-exact"]
+
+
+# ----------------------------------------------------------------------------- declarations (no gateway)
+
+
+def test_serve_model_flag_declares_models():
+    settings, _ = load_settings(
+        [
+            "serve",
+            "--dtype=float32",
+            "--num-kv-blocks=64",
+            "--serve-model",
+            "name=a,alias=a1,alias=a2,replicas=2,max_num_seqs=8,kv_cache_memory=64MiB",
+            "--serve-model",
+            "name=b,path=/m/b.gguf,context_length=256,backend_url=unix:/tmp/b.sock",
+        ],
+        {},
+    )
+    a, b = settings.models
+    assert (a.name, a.aliases, a.replicas, a.path) == ("a", ["a1", "a2"], 2, None)
+    # [engine] for every spawned backend; the model's own KV size replaces [engine]'s
+    assert model_engine(settings.engine, a) == {
+        "dtype": "float32",
+        "max_num_seqs": "8",
+        "kv_cache_memory": "64MiB",
+    }
+    assert (b.path, b.context_length, b.backend_url) == ("/m/b.gguf", 256, ["unix:/tmp/b.sock"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--serve-model", "a"], "expected KEY=VALUE"),
+        (["--serve-model", "name=a,colour=red"], "unknown key 'colour'"),
+        (["--serve-model", "name=a", "--served-model-name", "x"], "[http] served_model_name"),
+        (["--serve-model", "name=a", "--serve-model", "name=b,alias=a"], "'a' is used by both"),
+        (["--serve-model", "name=a,dtype=f8"], "model 'a': engine options"),
+        (["--serve-model", "name=a,kind=mystery"], "kind must be native or openai"),
+        (["--serve-model", "name=a,replicas=0"], "replicas"),
+    ],
+)
+def test_bad_model_declarations_are_one_clear_error(argv, message):
+    with pytest.raises(SettingsError) as exc:
+        load_settings(["serve", *argv], {})
+    assert message in str(exc.value) and "\n" not in str(exc.value)
