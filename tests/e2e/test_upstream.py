@@ -7,25 +7,34 @@ is a second gateway (``start_gateway``, no backend of its own) serving only upst
 * ``up``: the upstream's model (no tokenizer here: the reservation is the documented estimate);
 * ``up-limited``: the same, through an upstream key whose tenant allows 1 request a minute (upstream 429);
 * ``down``: a URL where nothing listens (503 ``upstream_unavailable``, fast);
-* ``failover``: that URL first, then the upstream's (failover before the first byte).
+* ``failover``: that URL first, then the upstream's (failover before the first byte);
+* ``scripted``: a scripted OpenAI-compatible server in this process (``Scripted``: tool calls, an answer
+  without usage, one that breaks off, a 500), and ``fail-then-up``: it first, then the real upstream.
 
 Checked: chat with the official openai client, streamed and not, the same greedy text as the upstream
 itself; usage in the front's ledger (admin usage API) as the upstream counted it; the front's tenant limits
 (429); an upstream 429 with its retry-after; an upstream 400 with its param; a streaming output filter
 cutting the upstream's text; a client leaving mid-stream closes the upstream request (the upstream's
-``running`` returns to 0); the Ollama API (/api/chat) for an upstream model.
+``running`` returns to 0); the Ollama API (/api/chat) for an upstream model; tool calls and the request's
+fields passed through; usage the upstream omits counted here and marked estimated in the ledger row; an
+answer broken off mid-stream as an SSE error event; a 5xx as 502, and failover past it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from plugins.gateway_server import GatewayProc, free_port, start_gateway
+from test_filters_http import new_tenant
 
 COUNT = "Count from 1 to 10, one number per line."
 CUT_AT_THREE = {  # greedy COUNT starts "1. 1\n2. 2\n3. ..." with the default model: cut at the first "3"
@@ -43,31 +52,69 @@ CUT_AT_THREE = {  # greedy COUNT starts "1. 1\n2. 2\n3. ..." with the default mo
 
 
 def _tenant(gp: GatewayProc, *, limits: dict | None = None, filters: dict | None = None) -> tuple[str, str]:
-    """A new tenant of ``gp`` (with ``limits``/``filters``) and one key: ``(tenant_id, key)``."""
-    body: dict = {"name": "upstream-test-" + os.urandom(4).hex()}
-    if limits is not None:
-        body["limits"] = limits
-    if filters is not None:
-        body["filters"] = filters
-    r = httpx.post(gp.base_url + "/admin/v1/tenants", json=body, headers=gp.admin_headers(), timeout=30)
-    assert r.status_code == 201, r.text
-    tid = r.json()["id"]
-    r = httpx.post(
-        gp.base_url + f"/admin/v1/tenants/{tid}/keys",
-        json={"name": "t"},
-        headers=gp.admin_headers(),
-        timeout=30,
-    )
-    assert r.status_code == 201, r.text
-    return tid, r.json()["key"]
+    return new_tenant(gp, "upstream", limits=limits, filters=filters)
+
+
+def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    obj = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": choices}
+    if usage is not None:
+        obj["usage"] = usage
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+SCRIPTS = {  # the last user message -> what the scripted upstream streams
+    "no usage": [_chunk({"role": "assistant", "content": "Hello"}), _chunk({"content": " there"}, "stop")],
+    "break off": [_chunk({"role": "assistant", "content": "Hello"}), _chunk({"content": " there"})],
+    "call": [
+        _chunk({"role": "assistant", "tool_calls": [CALL]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
+        _chunk(usage={"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29}),
+    ],
+}
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """A scripted OpenAI-compatible server (``ThreadingHTTPServer``): ``SCRIPTS`` by the last message; "fail"
+    is a 500. Every body received is kept in ``server.bodies``."""
+
+    protocol_version = "HTTP/1.0"  # the answer ends when the connection closes
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.server.bodies.append(body)  # type: ignore[attr-defined]
+        said = body["messages"][-1]["content"]
+        if said not in SCRIPTS:
+            self.send_response(500)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "scripted failure", "type": "server_error"}}')
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        for part in SCRIPTS[said]:
+            self.wfile.write(part)
+            self.wfile.flush()
+        if said != "break off":
+            self.wfile.write(b"data: [DONE]\n\n")
 
 
 @pytest.fixture(scope="module")
 def front(gateway):
-    """The front gateway; ``extra``: the upstream (``up``) and the models' names."""
+    """The front gateway; ``extra``: the upstream gateway and the bodies the scripted server received."""
     _, limited_key = _tenant(gateway, limits={"rpm": 1})
     closed = f"http://127.0.0.1:{free_port()}/v1"  # bound once, now nothing listens there
     real = f"{gateway.base_url}/v1"
+    scripted = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    scripted.bodies = []  # type: ignore[attr-defined]
+    threading.Thread(target=scripted.serve_forever, daemon=True).start()
+    fake = f"http://127.0.0.1:{scripted.server_address[1]}/v1"
 
     def model(name: str, urls: list[str], key_env: str) -> str:
         quoted = ", ".join(f'"{u}"' for u in urls)
@@ -82,14 +129,18 @@ def front(gateway):
         + model("up-limited", [real], "UP_LIMITED_KEY")
         + model("down", [closed], "UP_KEY")
         + model("failover", [closed, real], "UP_KEY")
+        + model("scripted", [fake], "UP_KEY")
+        + model("fail-then-up", [fake, real], "UP_KEY")
     )
     env = {"UP_KEY": gateway.api_key, "UP_LIMITED_KEY": limited_key}
     gp = start_gateway("--config", str(cfg), env=env, dtype=None)
     gp.extra["upstream"] = gateway
+    gp.extra["scripted"] = scripted.bodies  # type: ignore[attr-defined]
     try:
         yield gp
     finally:
         gp.stop()
+        scripted.shutdown()
 
 
 def _client(gp: GatewayProc, key: str | None = None) -> openai.OpenAI:
@@ -219,3 +270,62 @@ def test_ollama_chat_for_an_upstream_model(front):
     )
     assert r.message.content and r.done_reason == "length"
     assert r.eval_count == 4
+
+
+def _ask(client: openai.OpenAI, model: str, said: str, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": said}], **kw)
+
+
+def test_tool_calls_and_fields_pass_through(front):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    r = _ask(_client(front), "scripted", "call", tools=tools, tool_choice="auto", seed=7, max_tokens=30)
+    sent = front.extra["scripted"][-1]
+    assert sent["model"] == front.extra["upstream"].model and sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert (sent["tools"], sent["tool_choice"], sent["seed"], sent["max_tokens"]) == (tools, "auto", 7, 30)
+    assert "inspect" not in sent and "n" not in sent  # the gateway's own field; defaults are not sent
+    call = r.choices[0].message.tool_calls[0]
+    assert (call.id, call.function.name, call.function.arguments) == (
+        "call_1",
+        "get_weather",
+        '{"city": "Paris"}',
+    )
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens == 9
+
+
+def test_usage_the_upstream_omits_is_estimated(front):
+    tid, key = _tenant(front)
+    r = _ask(_client(front, key), "scripted", "no usage")
+    assert r.choices[0].message.content == "Hello there" and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    httpx.get(front.base_url + f"/admin/v1/tenants/{tid}/usage", headers=front.admin_headers(), timeout=30)
+    with sqlite3.connect(f"file:{Path(front.tmpdir) / 'tenancy.sqlite'}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT completion_tokens, timings FROM usage WHERE tenant_id = ?", (tid,)
+        ).fetchall()
+    assert [(c, json.loads(t).get("usage_estimated")) for c, t in rows] == [(r.usage.completion_tokens, 1.0)]
+
+
+def test_upstream_breaking_off_mid_stream_is_an_sse_error(front):
+    lines = []
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "break off"}], "stream": True}
+    with httpx.stream(
+        "POST", front.base_url + "/v1/chat/completions", json=body, headers=front.headers(), timeout=30
+    ) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert (
+        "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
+        == "Hello there"
+    )
+    assert events[-1]["error"]["code"] == "upstream_error"
+
+
+def test_upstream_5xx_fails_over_and_alone_is_a_502(front):
+    with pytest.raises(openai.APIStatusError) as e:
+        _ask(_client(front), "scripted", "fail")
+    assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error"
+    r = _chat(_client(front), "fail-then-up", n=2)  # COUNT is not scripted: a 500, then the real upstream
+    assert r.choices[0].message.content and r.usage.completion_tokens == 2
