@@ -9,7 +9,8 @@ One gateway for the module, declared by a TOML ``[[models]]`` config: the defaul
   backend names its model) move only for the backend of the model asked for, by its name or an alias,
   through /v1/chat/completions, /v1/completions and Ollama's /api/chat;
 * per-model engine settings reach the backends (dtype, KV pool size), the declared context length is the
-  one served (``/v1/models``; a request over it is a 400);
+  one served (``/v1/models``; a request over it is a 400), and each model renders with its own chat template
+  (``smol-f32``'s ``chat_template`` file has no default system turn: a shorter prompt);
 * ``/v1/models`` and ``/api/tags`` list both models and their aliases; ``/v1/models/{id}`` answers an alias;
 * an unknown model is a 404 ``model_not_found`` (``openai.NotFoundError``), and so is a model the tenant
   may not use (a tenant whose ``models`` lists only ``smol-f32``), which its listings leave out;
@@ -44,14 +45,22 @@ aliases = ["smol-exact"]
 dtype = "float32"
 num_kv_blocks = {F32_BLOCKS}
 context_length = {F32_CONTEXT}
+chat_template = "{{template}}"
 """
+#: smol-f32's own chat template: ChatML without SmolLM2's default system prompt (a shorter prompt)
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 NAMES = {"smol-bf16": "smol-bf16", "smol": "smol-bf16", "smol-f32": "smol-f32", "smol-exact": "smol-f32"}
 
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory) -> GatewayProc:
-    path = tmp_path_factory.mktemp("models") / "gateway.toml"
-    path.write_text(CONFIG)
+    folder = tmp_path_factory.mktemp("models")
+    (folder / "chatml.jinja").write_text(TEMPLATE)
+    path = folder / "gateway.toml"
+    path.write_text(CONFIG.replace("{template}", str(folder / "chatml.jinja")))
     gp = start_gateway("--config", str(path), dtype=None)
     try:
         yield gp
@@ -82,13 +91,18 @@ def test_each_request_lands_on_its_models_backend(two_models):
     client = gp.openai(timeout=60)
     counts = _finished(gp)
     assert set(counts) == {"smol-bf16", "smol-f32"}
+    prompt_tokens = {}
     for asked in ("smol-bf16", "smol-exact"):  # a served name, an alias of the other model
         r = client.chat.completions.create(
             model=asked, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0
         )
         assert r.model == asked and r.usage.completion_tokens == 1
+        prompt_tokens[NAMES[asked]] = r.usage.prompt_tokens
         counts[NAMES[asked]] += 1
         assert _settled(gp, counts) == counts, asked  # only the served model's backend moved
+    # each model's own chat template: "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" for smol-f32,
+    # SmolLM2's (with its default system turn) for smol-bf16
+    assert prompt_tokens["smol-f32"] < 12 < prompt_tokens["smol-bf16"]
     r = client.completions.create(model="smol-f32", prompt="The sky is", max_tokens=1, temperature=0)
     counts["smol-f32"] += 1
     assert r.choices[0].text and _settled(gp, counts) == counts
