@@ -109,6 +109,20 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         parser.add_argument(
             "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
         ),
+        parser.add_argument(
+            "--omp-wait-policy",
+            default=None,
+            choices=["passive", "active"],
+            help="how idle OpenMP threads wait: passive (sleep at once; default unless OMP_WAIT_POLICY or "
+            "GOMP_SPINCOUNT is set) or active (spin); passive keeps a busy machine from stalling every step",
+        ),
+        parser.add_argument(
+            "--itl-target-ms",
+            type=float,
+            default=150.0,
+            help="inter-token latency the scheduler keeps running decodes under: prefill tokens per step "
+            "are cut to what fits (default 150; 0: no limit, the whole --max-num-batched-tokens)",
+        ),
     ]
     return acts
 
@@ -197,6 +211,9 @@ def load_reason(model: str, exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the backend until Shutdown or a signal; the exit statuses are in the module docstring."""
     args = build_parser().parse_args(argv)
+    from backend.allocator import openmp_wait_policy
+
+    openmp_wait_policy(os.environ, args.omp_wait_policy)  # before anything imports torch
     from backend.protocol import EXIT_MODEL_LOAD_FAILED, SECRET_ENV, load_error_line
     from backend.server import Server, install_signal_handlers, parse_listen
 
@@ -237,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            itl_target_ms=args.itl_target_ms,
         )
     except Exception as exc:  # noqa: BLE001 - any load failure is reported as one line and a status
         name = model or "(default model)"

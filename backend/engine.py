@@ -115,6 +115,9 @@ class Engine:
             without reloading the model); default all.
         grammar: the grammar compiler (``backend.grammar.GrammarCompiler``); default one built on first
             use from the model file's tokenizer (``card.model_path``).
+        itl_target_ms: inter-token latency the scheduler sizes the prefill of steps with decodes to
+            (milliseconds; 0: off, every step may take the whole token budget). Each step's wall time
+            feeds the scheduler's step-time model.
 
     Raises:
         ValueError: inconsistent limits.
@@ -130,6 +133,7 @@ class Engine:
         long_prefill_token_threshold: int | None = None,
         num_kv_blocks: int | None = None,
         grammar: G.GrammarCompiler | None = None,
+        itl_target_ms: float = 0.0,
     ) -> None:
         if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:
             raise ValueError(f"num_kv_blocks must be in [1, {runner.num_kv_blocks}]")
@@ -154,6 +158,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            itl_target_s=itl_target_ms / 1000.0,
         )
         self.requests: dict[str, EngineRequest] = {}
         self.grammar = grammar
@@ -520,7 +525,9 @@ class Engine:
                 (o, m) for o, m in out if isinstance(m, RequestOutput) and m.request_id not in self.requests
             ]
             out = done + self._fail_plan(plan, f"sampling failed: {type(exc).__name__}: {exc}")
-        self.step_overhead_s += (t1 - t0) + (time.perf_counter() - t2)
+        t3 = time.perf_counter()
+        self.step_overhead_s += (t1 - t0) + (t3 - t2)
+        sched.observe(plan, t3 - t0)
         return out
 
     @staticmethod
