@@ -157,8 +157,12 @@ class _UpstreamRun:
         return settled(self.usage, prompt_tokens=self.call.prompt_tokens, completion_tokens=counted)
 
     def _timings(self, usage: Usage | None = None) -> dict[str, int]:
+        """Timings (ns, Ollama names) of the request so far; token counts from ``usage`` once settled (a
+        choice's: its chunks, and the prompt only when counted exactly here)."""
         now, t0 = time.perf_counter(), self.req.t_arrival
-        d = {"prompt_eval_count": usage.prompt_tokens if usage else self.call.prompt_tokens}
+        d: dict[str, int] = {}
+        if usage is not None or self.call.prompt_exact:
+            d["prompt_eval_count"] = usage.prompt_tokens if usage is not None else self.call.prompt_tokens
         d["eval_count"] = usage.completion_tokens if usage else sum(c.chunks for c in self.choices)
         if self.t_sent is not None:
             d["gateway_prep_duration"] = int((self.t_sent - t0) * _NS)
