@@ -1,9 +1,8 @@
 """Tenants restricted to a list of models, and limits per tenant and model, through the real gateway (``python -m
 gateway serve`` + backend, the shared fixture), the admin API over HTTP and the official openai client.
 
-The shared gateway serves one model (its served name ``gateway.model``), so the restriction is checked with that
-name and a name it does not serve (accepted by the admin API: a model may be added later); a model's limits
-leaving the tenant's other models alone is checked in ``tests/unit/ratelimit/test_admission.py``.
+The admin API is checked on the shared gateway; the restriction and the limits per model on a second gateway
+that serves two names (``alpha``, ``beta``) on the shared gateway's backend (``--serve-model ...,backend_url=``).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import os
 import httpx
 import openai
 import pytest
+from plugins.gateway_server import start_gateway
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 ELSEWHERE = "a-model-served-elsewhere"
@@ -104,49 +104,63 @@ def test_admin_api_models_and_model_limits(gateway):
         assert "models" in schemas[name]["properties"], name
 
 
-def test_a_tenant_restricted_to_models_gets_404_for_another(gateway):
-    """Allowed: the model answers. Restricted to another name: 404 model_not_found, as for an unknown model,
-    and the listing is empty. A key's own list narrows its tenant's the same way."""
-    _, allowed = tenant_with_key(gateway, models=[gateway.model])
-    assert chat(gateway, allowed, gateway.model).http_response.status_code == 200
-    assert [m.id for m in client(gateway, allowed).models.list()] == [gateway.model]
-
-    _, other = tenant_with_key(gateway, models=[ELSEWHERE])
-    with pytest.raises(openai.NotFoundError) as ei:
-        chat(gateway, other, gateway.model)
-    assert ei.value.status_code == 404 and ei.value.code == "model_not_found" and ei.value.param == "model"
-    assert [m.id for m in client(gateway, other).models.list()] == []
-
-    _, narrowed = tenant_with_key(gateway, key_body={"models": [ELSEWHERE]})  # the tenant may use every model
-    with pytest.raises(openai.NotFoundError) as ei:
-        chat(gateway, narrowed, gateway.model)
-    assert ei.value.code == "model_not_found"
-
-
-def test_a_limit_per_model_gives_429_naming_the_model(gateway):
-    """The model's rpm (1 an hour) is spent by the first request; the second gets the 429 naming the model, while
-    the tenant-wide limit (50) has room; the tenant's ledger counts only the admitted one."""
-    t, key = tenant_with_key(
-        gateway,
-        limits={"rpm": 50, "window_s": 3600},
-        model_limits={gateway.model: {"rpm": 1, "window_s": 3600}},
+@pytest.fixture(scope="module")
+def two_models(gateway):
+    """A second gateway serving two names, ``alpha`` and ``beta``, both on the shared gateway's backend (reached
+    by its URL: nothing spawned, so it starts in seconds, and its stop leaves that backend running)."""
+    url = gateway.stats()["backends"][0]["url"]
+    gp = start_gateway(
+        "--serve-model", f"name=alpha,backend_url={url}", "--serve-model", f"name=beta,backend_url={url}"
     )
-    first = chat(gateway, key, gateway.model)
+    try:
+        yield gp
+    finally:
+        gp.stop()
+
+
+def test_a_tenant_restricted_to_models_gets_404_for_another(two_models):
+    """Allowed: the model answers. Another served model: 404 model_not_found, as for an unknown model, and the
+    listing holds only the allowed one. A key's own list narrows its tenant's the same way."""
+    gp = two_models
+    _, key = tenant_with_key(gp, models=["alpha", ELSEWHERE])
+    assert chat(gp, key, "alpha").http_response.status_code == 200
+    with pytest.raises(openai.NotFoundError) as ei:
+        chat(gp, key, "beta")
+    assert ei.value.status_code == 404 and ei.value.code == "model_not_found" and ei.value.param == "model"
+    assert ei.value.message.endswith("Available: alpha.")  # only what this tenant may use is named
+    assert [m.id for m in client(gp, key).models.list()] == ["alpha"]
+
+    _, narrowed = tenant_with_key(gp, key_body={"models": ["beta"]})  # the tenant may use every model
+    with pytest.raises(openai.NotFoundError) as ei:
+        chat(gp, narrowed, "alpha")
+    assert ei.value.code == "model_not_found"
+    assert [m.id for m in client(gp, narrowed).models.list()] == ["beta"]
+
+
+def test_a_limit_per_model_gives_429_on_that_model_only(two_models):
+    """``alpha``'s rpm (1 an hour) is spent by the first request: the second gets the 429 naming the model,
+    while a request to ``beta`` passes, charged to the tenant-wide limit (50) only."""
+    gp = two_models
+    t, key = tenant_with_key(
+        gp, limits={"rpm": 50, "window_s": 3600}, model_limits={"alpha": {"rpm": 1, "window_s": 3600}}
+    )
+    first = chat(gp, key, "alpha")
     assert first.http_response.status_code == 200
     assert first.headers["x-ratelimit-limit-requests"] == "1"  # the tightest scope: the model's
     with pytest.raises(openai.RateLimitError) as ei:
-        chat(gateway, key, gateway.model)
+        chat(gp, key, "alpha")
     e = ei.value
     assert e.status_code == 429 and e.code == "rate_limit_exceeded"
-    assert f"model {gateway.model} of tenant {t['name']}" in e.message and "Limit 1" in e.message
+    assert f"model alpha of tenant {t['name']}" in e.message and "Limit 1" in e.message
     assert (
         e.response.headers["x-ratelimit-limit-requests"] == "1"
         and int(e.response.headers["retry-after"]) >= 1
     )
-    usage = httpx.get(gateway.base_url + "/v1/usage", headers={"authorization": f"Bearer {key}"}, timeout=30)
-    assert usage.json()["totals"]["requests"] == 1
-
-    # the model's limit lifted: the tenant-wide one still applies, and the next request passes
-    r = admin(gateway, "PATCH", f"/tenants/{t['id']}", {"model_limits": {}})
-    assert r.status_code == 200 and r.json()["model_limits"] == {}
-    assert chat(gateway, key, gateway.model).headers["x-ratelimit-limit-requests"] == "50"
+    other = chat(gp, key, "beta")
+    assert other.http_response.status_code == 200
+    assert (other.headers["x-ratelimit-limit-requests"], other.headers["x-ratelimit-remaining-requests"]) == (
+        "50",
+        "48",
+    )
+    usage = httpx.get(gp.base_url + "/v1/usage", headers={"authorization": f"Bearer {key}"}, timeout=30)
+    assert usage.json()["totals"]["requests"] == 2  # the refused one is not billed
