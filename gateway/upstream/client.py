@@ -2,16 +2,16 @@
 mapping of what the upstream answers onto the gateway's errors.
 
 httpx runs under Trio through anyio; the client's connection pool is the model's, closed by ``aclose`` at
-shutdown. ``stream(path, body)`` POSTs JSON to each URL in order until one answers with a status below 400
-and yields that response unread (``stream=True``); leaving the block closes it in cancel-shielded cleanup,
-which closes the upstream connection when the answer was not read to its end (the upstream sees the client
-leave). Retries and failover happen here only, before anything was sent to the client: once a response is
-yielded, a failure is the run's to report.
+shutdown. ``stream(path, body)`` POSTs JSON to each URL in order until one answers 2xx and yields that
+response unread (``stream=True``); leaving the block closes it in cancel-shielded cleanup, which closes the
+upstream connection when the answer was not read to its end (the upstream sees the client leave). Retries
+and failover happen here only, before anything was sent to the client: once a response is yielded, a
+failure is the run's to report.
 
 Per URL: refused, unresolvable or a connect timeout -> the next URL (503 ``UpstreamUnavailable`` after the
-last); a 5xx, a read timeout or a broken answer before the status line -> the next URL (502
-``UpstreamError`` after the last, which wins over 503); a 4xx -> no failover (the request is what the
-upstream refused): ``errors.refused`` (the same status and message; 429 with its ``retry-after``).
+last); a 5xx, a 3xx (never followed), a read timeout or a broken answer before the status line -> the next
+URL (502 ``UpstreamError`` after the last, which wins over 503); a 4xx -> no failover (the request is what
+the upstream refused): ``errors.refused`` (the same status and message; 429 with its ``retry-after``).
 
 The API key goes in the ``Authorization`` header only; logs name a URL by scheme, host and port.
 """
@@ -129,14 +129,14 @@ class UpstreamClient:
                 log.warning("model %s: %s failed (%s)", self.name, _where(url), type(exc).__name__)
                 failure = UpstreamError(f"The upstream model server of '{self.name}' broke off the answer.")
                 continue
-            if resp.status_code < 400:
+            if resp.status_code < 300:
                 return resp
             try:
                 data = await _error_body(resp)
             finally:
                 with trio.CancelScope(shield=True):
                     await resp.aclose()
-            if resp.status_code >= 500:
+            if resp.status_code >= 500 or resp.status_code < 400:  # a 3xx is not followed: a failure
                 log.warning("model %s: %s answered %d", self.name, _where(url), resp.status_code)
                 failure = UpstreamError(
                     f"The upstream model server of '{self.name}' answered {resp.status_code}."
