@@ -31,6 +31,9 @@ import msgspec
 TOKENS_PER_CHAR = 0.5
 #: Tokens of template text (role headers, markers) reserved per message on top of its characters.
 TOKENS_PER_MESSAGE = 8
+#: Tokens of template text reserved once per request: a default system prompt some templates add when the
+#: conversation has none (SmolLM2's is about 30 tokens, Llama 3's date header about 25).
+TOKENS_PER_REQUEST = 32
 
 
 class UpstreamConfigError(ValueError):

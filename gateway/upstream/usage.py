@@ -1,15 +1,16 @@
 """``Usage``: the tokens one upstream request is billed, from the upstream's own ``usage`` when it sent one,
 else counted here and marked estimated.
 
-Prompt tokens before the request (what admission reserves): counted by the model's tokenizer over the
-message texts plus ``TOKENS_PER_MESSAGE`` per message (the upstream's template adds its own markers), or
-without a tokenizer ``ceil(characters * tokens_per_char)`` plus the same allowance
-(``UpstreamConfig.tokens_per_char``; the safety factor is documented in docs/upstream.md). After the answer: the
-upstream's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.
-cached_tokens``) wins; where it sent none (an upstream without ``stream_options``, a stream the gateway
-closed after an output filter cut it or the client left) the completion is counted over the text received
-(the tokenizer, else the estimate) and the prompt keeps its reserved count; ``estimated`` is then True
-(docs/upstream.md: the ledger row's ``timings.usage_estimated`` and a log line say so).
+Prompt tokens before the request (what admission reserves): the model's tokenizer's count of the message
+texts, or without a tokenizer ``ceil(characters * tokens_per_char)`` (``UpstreamConfig.tokens_per_char``,
+the safety factor documented in docs/upstream.md), plus ``TOKENS_PER_MESSAGE`` per message and
+``TOKENS_PER_REQUEST`` once (the upstream's template adds its markers and, in some templates, a default
+system prompt). After the answer the upstream's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``,
+``prompt_tokens_details.cached_tokens``) wins; where it sent none (an upstream without ``stream_options``,
+a stream the gateway closed after an output filter cut it or the client left) the completion is counted
+over the text received (the tokenizer, else the estimate) and the prompt keeps its reserved count;
+``estimated`` is then True (docs/upstream.md: the ledger row's ``timings.usage_estimated`` and a log line
+say so).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.upstream.config import TOKENS_PER_MESSAGE, UpstreamConfig
+from gateway.upstream.config import TOKENS_PER_MESSAGE, TOKENS_PER_REQUEST, UpstreamConfig
 from templating import TextTokenizer
 
 
@@ -46,9 +47,9 @@ def text_tokens(text: str, tok: TextTokenizer | None, cfg: UpstreamConfig) -> in
 
 
 def prompt_tokens(messages: list[dict[str, Any]], tok: TextTokenizer | None, cfg: UpstreamConfig) -> int:
-    """Prompt tokens reserved for ``messages`` (see the module docstring); at least 1."""
+    """Prompt tokens reserved for ``messages`` (see the module docstring)."""
     n = sum(text_tokens(t, tok, cfg) for t in message_texts(messages))
-    return max(1, n + TOKENS_PER_MESSAGE * len(messages))
+    return n + TOKENS_PER_MESSAGE * len(messages) + TOKENS_PER_REQUEST
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
