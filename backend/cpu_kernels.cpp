@@ -1,16 +1,26 @@
-// Paged-KV decode attention for the CPU: one query token per sequence, K/V read in place from the
-// block pool (no gather copy), float32 math, one (sequence, KV head) pair per task over torch's
-// intra-op thread pool. Built at first use by backend/attention/cpu_decode.py (torch cpp_extension).
+// Paged-KV attention for the CPU, one kernel for decode and prefill: every query row attends to the keys
+// [0, len) of its sequence, K/V read in place from the block pool (no gather copy), float32 math, one
+// (query row, KV-head range) per task over torch's intra-op thread pool. Built at first use by
+// backend/cpu_kernels.py (torch cpp_extension).
 //
-// Shapes: q [nd, nh, hd] float32; k_cache / v_cache [num_blocks, block_size, nkv, hd] (float32 or
-// bfloat16, contiguous); block_tables [>= nd, W] int32; seq_lens [>= nd] int32; out [nd, nh, hd] in
-// the cache dtype. Query head h reads KV head h / (nh / nkv) (grouped-query attention).
+// Batch invariance: a row's result depends only on its query, its sequence's K/V and its length. The
+// same compiled function serves every row, keys are visited in position order (scores, then one max,
+// one exp-sum and one P.V pass, all in key order), and the score buffers sit at 64-byte aligned,
+// 16-float padded offsets, so the vectorized reductions split a row the same way whatever the task,
+// the batch or the thread split (a decode query and the same query inside a prefill chunk get the
+// same bits).
+//
+// Shapes: q [R, nh, hd] float32; k_cache / v_cache [num_blocks, block_size, nkv, hd] (float32 or
+// bfloat16, contiguous); block_tables [B, W] int32; row_seq [R] int32 (row -> block-table row; absent:
+// row r uses row r); row_lens [R] int32; out [R, nh, hd] in the cache dtype. Query head h reads KV head
+// h / (nh / nkv) (grouped-query attention).
 // Source followed: vLLM PagedAttention (Kwon et al. 2023) semantics; two-pass softmax.
 #include <torch/extension.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +42,59 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even (finite inputs)
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Row kernels in explicit AVX-512 (batch invariance): each element's arithmetic is one fixed instruction
+// sequence and every reduction one fixed order, whatever the row's place in the batch. Auto-vectorized
+// loops under -ffast-math were not: the compiler's runtime alias checks between the row's output pointer
+// and the scratch buffers picked the vector or the scalar version of a loop per row, and the two round
+// differently (add_rms_norm gave other bf16 bits for 3 of 44 rows than for the same rows alone).
+#define HAVE_AVX512_ROWS 1
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec's expf, 16 lanes (what -ffast-math loops call)
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u); }
+inline __m512 load_m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_m(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store_m(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store_m(uint16_t* p, __m512 v, __mmask16 m) {  // round to nearest even, as f32_to_bf16
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+
+template <typename TD, typename TO>
+void add_rms_norm_row(float* xr, const TD* dr, const float* w, TO* o, int64_t H, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 m = lanes(H - i);
+    __m512 v = load_m(xr + i, m);
+    if (dr) {
+      v = _mm512_add_ps(v, load_m(dr + i, m));
+      store_m(xr + i, v, m);
+    }
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 m = lanes(H - i);
+    store_m(o + i, _mm512_mul_ps(load_m(w + i, m), _mm512_mul_ps(load_m(xr + i, m), r)), m);
+  }
+}
+
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t I) {
+  const __m512 lo = _mm512_set1_ps(-80.f), one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 m = lanes(I - i);
+    const __m512 z = _mm512_max_ps(load_m(g + i, m), lo);
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(zero, z));
+    store_m(o + i, _mm512_mul_ps(_mm512_div_ps(z, _mm512_add_ps(one, e)), load_m(u + i, m)), m);
+  }
+}
+#endif
 
 template <typename T> inline void load_row(const T* src, float* dst, int64_t n);
 template <> inline void load_row<float>(const float* src, float* dst, int64_t n) {
@@ -68,6 +131,20 @@ inline const T* paged_row(const T* cache, const int32_t* table, int64_t t, int64
 // In-place exp(s - max(s)) over L scores; returns their sum (scores are finite: built with -ffast-math,
 // which gives the vectorized expf of libmvec).
 inline float softmax_numerators(float* s, int64_t L) {
+#ifdef HAVE_AVX512_ROWS
+  const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
+  __m512 mv = lowest;
+  for (int64_t t = 0; t < L; t += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(lowest, lanes(L - t), s + t));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 m = lanes(L - t);
+    const __m512 e = _mm512_maskz_mov_ps(m, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_mask_loadu_ps(mx, m, s + t), mx)));
+    _mm512_mask_storeu_ps(s + t, m, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
   float m = -FLT_MAX;
 #pragma omp simd reduction(max : m)
   for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
@@ -78,6 +155,7 @@ inline float softmax_numerators(float* s, int64_t L) {
     sum += s[t];
   }
   return sum;
+#endif
 }
 
 // One task = one sequence and a contiguous range of its KV heads [h0, h1). With all heads in one
@@ -85,48 +163,57 @@ inline float softmax_numerators(float* s, int64_t L) {
 // block_size tokens is one contiguous run of memory: DRAM-streaming friendly. (Per-head tasks read
 // 128 of every 384 bytes and measured 3 GB/s from DRAM; see docs/perf.md.)
 // HD > 0: head_dim known at compile time (constant trip counts: fully vectorized inner loops).
+// A 64-byte aligned scratch of n floats from buf (the same alignment for every call: see the top).
+inline float* aligned_scratch(std::vector<float>& buf, int64_t n) {
+  buf.resize(n + 16);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((a + 63) & ~static_cast<uintptr_t>(63));
+}
+
+inline int64_t pad16(int64_t n) { return (n + 15) & ~static_cast<int64_t>(15); }
+
 template <typename T, int HD>
 void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t L, T* out, int64_t nh,
                 int64_t nkv, int64_t hd_rt, int64_t bs, int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
   const int64_t hd = HD > 0 ? HD : hd_rt;
-  const int64_t g = nh / nkv, rows = (h1 - h0) * g, rec = nkv * hd;
-  buf.resize(rows * hd * 2 + hd + rows * L + rows);
-  float* qs = buf.data();               // [rows, hd] scaled queries
-  float* acc = qs + rows * hd;          // [rows, hd]
-  float* row = acc + rows * hd;         // [hd]
-  float* scores = row + hd;             // [rows, L]
-  float* denom = scores + rows * L;     // [rows]
-  for (int64_t i = 0; i < rows * hd; ++i) qs[i] = q[h0 * g * hd + i] * scale;
+  const int64_t g = nh / nkv, rows = (h1 - h0) * g, rec = nkv * hd, hdp = pad16(hd), Lp = pad16(L);
+  float* qs = aligned_scratch(buf, rows * hdp * 2 + hdp + rows * Lp + rows);  // [rows, hdp] scaled queries
+  float* acc = qs + rows * hdp;         // [rows, hdp]
+  float* row = acc + rows * hdp;        // [hdp]
+  float* scores = row + hdp;            // [rows, Lp]
+  float* denom = scores + rows * Lp;    // [rows]
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < hd; ++d) qs[r * hdp + d] = q[(h0 * g + r) * hd + d] * scale;
   for (int64_t t = 0; t < L; ++t) {
     const T* krec = paged_row<T>(kc, table, t, L, bs, rec, 0, rec);
     for (int64_t h = h0; h < h1; ++h) {
       load_row<T>(krec + h * hd, row, hd);
       for (int64_t j = 0; j < g; ++j) {
         const int64_t r = (h - h0) * g + j;
-        const float* qj = qs + r * hd;
+        const float* qj = qs + r * hdp;
         float sc = 0.f;
 #pragma omp simd reduction(+ : sc)
         for (int64_t d = 0; d < hd; ++d) sc += qj[d] * row[d];
-        scores[r * L + t] = sc;
+        scores[r * Lp + t] = sc;
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(scores + r * L, L);
-  std::fill(acc, acc + rows * hd, 0.f);
+  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(scores + r * Lp, L);
+  std::fill(acc, acc + rows * hdp, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const T* vrec = paged_row<T>(vc, table, t, L, bs, rec, 0, rec);
     for (int64_t h = h0; h < h1; ++h) {
       load_row<T>(vrec + h * hd, row, hd);
       for (int64_t j = 0; j < g; ++j) {
         const int64_t r = (h - h0) * g + j;
-        const float p = scores[r * L + t];
-        float* ar = acc + r * hd;
+        const float p = scores[r * Lp + t];
+        float* ar = acc + r * hdp;
 #pragma omp simd
         for (int64_t d = 0; d < hd; ++d) ar[d] += p * row[d];
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) store_row<T>(acc + r * hd, out + (h0 * g + r) * hd, hd, 1.f / denom[r]);
+  for (int64_t r = 0; r < rows; ++r) store_row<T>(acc + r * hdp, out + (h0 * g + r) * hd, hd, 1.f / denom[r]);
 }
 
 #if defined(__AVX512F__)
@@ -142,8 +229,8 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
                        int64_t nkv, int64_t bs, int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
   constexpr int HD = 64;
   const int64_t rec = nkv * HD;
-  buf.resize(G * L + 16);
-  float* scores = buf.data();
+  const int64_t Lp = pad16(L);
+  float* scores = aligned_scratch(buf, G * Lp);
   for (int64_t h = h0; h < h1; ++h) {
     __m512 qv[G][4];
     for (int j = 0; j < G; ++j)
@@ -156,11 +243,11 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
         a = _mm512_fmadd_ps(qv[j][1], k1, a);
         a = _mm512_fmadd_ps(qv[j][2], k2, a);
         a = _mm512_fmadd_ps(qv[j][3], k3, a);
-        scores[j * L + t] = _mm512_reduce_add_ps(a);
+        scores[j * Lp + t] = _mm512_reduce_add_ps(a);
       }
     }
     float inv[G];
-    for (int j = 0; j < G; ++j) inv[j] = 1.f / softmax_numerators(scores + j * L, L);
+    for (int j = 0; j < G; ++j) inv[j] = 1.f / softmax_numerators(scores + j * Lp, L);
     __m512 acc[G][4];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
@@ -168,7 +255,7 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
       const T* vp = paged_row<T>(vc, table, t, L, bs, rec, h * HD, HD);
       const __m512 v0 = load16(vp), v1 = load16(vp + 16), v2 = load16(vp + 32), v3 = load16(vp + 48);
       for (int j = 0; j < G; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * L + t]);
+        const __m512 p = _mm512_set1_ps(scores[j * Lp + t]);
         acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
         acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
         acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
@@ -186,8 +273,8 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
 #endif
 
 template <typename T>
-void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens, T* out,
-                 int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t W, float scale) {
+void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* row_seq, const int32_t* lens,
+                 T* out, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t W, float scale) {
   // few sequences: split their KV heads over the threads; many: one whole sequence per task
   const int64_t split = nd < 2 * at::get_num_threads() ? nkv : 1;
   at::parallel_for(0, nd * split, 1, [&](int64_t begin, int64_t end) {
@@ -195,61 +282,87 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, co
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / split, part = item % split;
       const int64_t h0 = part * nkv / split, h1 = (part + 1) * nkv / split;
+      const int32_t* table = bt + (row_seq ? static_cast<int64_t>(row_seq[b]) : b) * W;
 #ifdef HAVE_AVX512_DECODE
       if (hd == 64 && nh / nkv == 3)
-        decode_seq_avx512<T, 3>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
+        decode_seq_avx512<T, 3>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
       else if (hd == 64 && nh / nkv == 4)
-        decode_seq_avx512<T, 4>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
+        decode_seq_avx512<T, 4>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
       else if (hd == 64 && nh / nkv == 1)
-        decode_seq_avx512<T, 1>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
+        decode_seq_avx512<T, 1>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
       else
 #endif
       if (hd == 64)
-        decode_seq<T, 64>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+        decode_seq<T, 64>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
       else if (hd == 128)
-        decode_seq<T, 128>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+        decode_seq<T, 128>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
       else
-        decode_seq<T, 0>(q + b * nh * hd, kc, vc, bt + b * W, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+        decode_seq<T, 0>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
     }
   });
 }
 
 }  // namespace
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale) {
+// Query row r attends to the keys [0, row_lens[r]) of block-table row row_seq[r] (row r when row_seq is
+// absent). Checks every shape, length and block id before any read (RuntimeError from TORCH_CHECK).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                              c10::optional<torch::Tensor> row_seq, torch::Tensor row_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
-                  seq_lens.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [nd, nh, hd]");
+                  row_lens.device().is_cpu() && (!row_seq.has_value() || row_seq->device().is_cpu()),
+              "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous float32 [R, nh, hd]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache/v_cache: contiguous [num_blocks, block_size, nkv, hd] of one dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2,
               "block_tables: contiguous int32 [B, W]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: contiguous int32 [B]");
+  TORCH_CHECK(row_lens.scalar_type() == torch::kInt32 && row_lens.is_contiguous(), "row_lens: contiguous int32 [R]");
   const int64_t nd = q.size(0), nh = q.size(1), hd = q.size(2);
   const int64_t nblocks = k_cache.size(0), bs = k_cache.size(1), nkv = k_cache.size(2), W = block_tables.size(1);
+  const int64_t B = block_tables.size(0);
   TORCH_CHECK(k_cache.size(3) == hd && nkv > 0 && nh % nkv == 0, "head_dim / head counts mismatch");
-  TORCH_CHECK(block_tables.size(0) >= nd && seq_lens.size(0) >= nd, "fewer block-table rows / lengths than queries");
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(row_lens.numel() >= nd, "fewer lengths than query rows");
+  const int32_t* lens = row_lens.data_ptr<int32_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
-  for (int64_t b = 0; b < nd; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * bs, "sequence length outside its block table");
-    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
-      TORCH_CHECK(bt[b * W + i] >= 0 && bt[b * W + i] < nblocks, "block id outside the pool");
+  const int32_t* rs = nullptr;
+  if (row_seq.has_value()) {
+    TORCH_CHECK(row_seq->scalar_type() == torch::kInt32 && row_seq->is_contiguous() && row_seq->numel() >= nd,
+                "row_seq: contiguous int32 [R]");
+    rs = row_seq->data_ptr<int32_t>();
+  } else {
+    TORCH_CHECK(B >= nd, "fewer block-table rows than queries");
   }
+  std::vector<int32_t> longest(B, 0);  // per block-table row: the most keys any query reads
+  for (int64_t r = 0; r < nd; ++r) {
+    const int64_t b = rs ? rs[r] : r;
+    TORCH_CHECK(b >= 0 && b < B, "row_seq outside the block table");
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= W * bs, "sequence length outside its block table");
+    longest[b] = std::max(longest[b], lens[r]);
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < (longest[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(bt[b * W + i] >= 0 && bt[b * W + i] < nblocks, "block id outside the pool");
   auto out = torch::empty({nd, nh, hd}, k_cache.options());
   pybind11::gil_scoped_release no_gil;  // the backend's socket reader/writer threads run meanwhile
   if (k_cache.scalar_type() == torch::kFloat32) {
-    decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, lens,
+    decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, rs, lens,
                        out.data_ptr<float>(), nd, nh, nkv, hd, bs, W, static_cast<float>(scale));
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "cache dtype must be float32 or bfloat16");
     decode_impl<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
-                          reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), bt, lens,
+                          reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), bt, rs, lens,
                           reinterpret_cast<uint16_t*>(out.data_ptr()), nd, nh, nkv, hd, bs, W, static_cast<float>(scale));
   }
   return out;
+}
+
+// One query per sequence (row r: block-table row r, seq_lens[r] keys): paged_attention without row_seq.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: contiguous int32 [B]");
+  TORCH_CHECK(q.dim() == 3 && seq_lens.numel() >= q.size(0), "fewer block-table rows / lengths than queries");
+  return paged_attention(q, k_cache, v_cache, block_tables, c10::nullopt, seq_lens, scale);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -266,12 +379,17 @@ template <> inline void store_vals<uint16_t>(const float* src, uint16_t* dst, in
 
 bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
 
+
 template <typename T> const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
 template <typename T> T* mptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 template <typename TD, typename TO>
 void add_rms_norm_impl(float* x, const TD* delta, const float* w, TO* out, int64_t T, int64_t H, float eps) {
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+#ifdef HAVE_AVX512_ROWS
+    for (int64_t t = b; t < e; ++t) add_rms_norm_row<TD, TO>(x + t * H, delta ? delta + t * H : nullptr, w, out + t * H, H, eps);
+    return;
+#endif
     std::vector<float> tmp(H), y(H);
     for (int64_t t = b; t < e; ++t) {
       float* xr = x + t * H;
@@ -294,6 +412,10 @@ void add_rms_norm_impl(float* x, const TD* delta, const float* w, TO* out, int64
 template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t N, int64_t I) {
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+#ifdef HAVE_AVX512_ROWS
+    for (int64_t t = b; t < e; ++t) silu_mul_row<T>(gu + t * 2 * I, gu + t * 2 * I + I, out + t * I, I);
+    return;
+#endif
     std::vector<float> g(I), u(I);
     for (int64_t t = b; t < e; ++t) {
       load_row<T>(gu + t * 2 * I, g.data(), I);
@@ -311,6 +433,16 @@ void silu_mul_impl(const T* gu, T* out, int64_t N, int64_t I) {
 // rotate-half RoPE (HF llama): y[i] = x[i] cos[i] - x[i+h] sin[i], y[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h]
 inline void rope_row(const float* x, const float* c, const float* s, float* y, int64_t hd, int64_t rd) {
   const int64_t h = rd / 2;
+#ifdef HAVE_AVX512_ROWS
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = lanes(h - i);
+    const __m512 a = load_m(x + i, m), b = load_m(x + i + h, m);
+    store_m(y + i, _mm512_fnmadd_ps(b, load_m(s + i, m), _mm512_mul_ps(a, load_m(c + i, m))), m);
+    store_m(y + i + h, _mm512_fmadd_ps(a, load_m(s + i + h, m), _mm512_mul_ps(b, load_m(c + i + h, m))), m);
+  }
+  for (int64_t i = rd; i < hd; ++i) y[i] = x[i];
+  return;
+#endif
 #pragma omp simd
   for (int64_t i = 0; i < h; ++i) {
     y[i] = x[i] * c[i] - x[i + h] * s[i];

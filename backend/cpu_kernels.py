@@ -9,10 +9,10 @@ RMSNorm + cast), ``silu_mul`` (SwiGLU) and ``rope_write_kv`` (RoPE on q/k + K/V 
 replacing 3-10 small torch ops per layer (see ``backend.models.llama``); the compiled module is cached by torch under
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so only the first process on a
 machine pays the ~1 minute build. The module name carries a hash of what the binary depends on
-besides the source (``_build_tag``: torch build and location, compiler flags, the CPU's ISA flags
-for ``-march=native``), so two environments sharing that cache each keep their own build (one name
-for all was rebuilt ~30 s at every switch) and a cache carried to a CPU without AVX-512 is never
-loaded there (``SIGILL``).
+(``_build_tag``: the source, torch build and location, compiler flags, the CPU's ISA flags for
+``-march=native``), so two environments (or two versions of the source) sharing that cache each keep
+their own build (one name for all was rebuilt ~30 s at every switch) and a cache carried to a CPU
+without AVX-512 is never loaded there (``SIGILL``).
 
 ``load()`` returns None (callers keep the torch path) when the build fails (no C++ compiler or
 ninja), off Linux x86-64, or when ``LLM_GATEWAY_CPU_KERNEL=0`` is set.
@@ -55,8 +55,18 @@ def _cpu_isa_flags() -> str:
 
 
 def _build_tag() -> str:
-    """Short hash of the build's inputs other than the source (ninja already rebuilds on a source change)."""
-    key = "\n".join([torch.__version__, os.path.dirname(torch.__file__), " ".join(_CFLAGS), _cpu_isa_flags()])
+    """Short hash of the build's inputs, the source included: processes started before and after an edit
+    of the source each load their own build instead of rebuilding one shared name in turn (one of them
+    found the other's binary, without the functions it expected)."""
+    key = "\n".join(
+        [
+            torch.__version__,
+            os.path.dirname(torch.__file__),
+            " ".join(_CFLAGS),
+            _cpu_isa_flags(),
+            _SRC.read_text(),
+        ]
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -105,7 +115,14 @@ def _build():
         return load_inline(
             name=f"llm_gateway_cpu_kernels_{_build_tag()}",
             cpp_sources=[_SRC.read_text()],
-            functions=["paged_decode", "add_rms_norm", "silu_mul", "rope_write_kv", "apply_token_bitmask"],
+            functions=[
+                "paged_decode",
+                "paged_attention",
+                "add_rms_norm",
+                "silu_mul",
+                "rope_write_kv",
+                "apply_token_bitmask",
+            ],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             with_cuda=False,

@@ -100,8 +100,10 @@ class ModelRunner:
         kv_cache_bytes: KV pool budget in bytes over all layers (ignored when ``num_kv_blocks`` is given).
         num_kv_blocks: exact number of KV blocks.
         int4_max_rows: steps of at most this many tokens use packed int4 matmuls (4-bit GGUF on CPU only);
-            ``None`` = 4 for bfloat16 on CPU, else 0 (off); more rows use the oneDNN-prepacked dense path
-            (``backend.models.llama.onednn_pack``). Measured numbers in ``LlamaModel``'s docstring.
+            ``None`` or 0: off, every step takes the oneDNN-prepacked dense path
+            (``backend.models.llama.onednn_pack``), so a row's arithmetic never depends on the batch (batch
+            invariance, docs/kernels.md); a positive value trades that for speed. Measured numbers in
+            ``LlamaModel``'s docstring.
         memory_budget: host-memory bytes the load may take (``None``: ``$GATEWAY_MEMORY_BUDGET`` or the
             available RAM minus a margin; ``0``: no check). See ``backend.loaders.memory``.
         num_threads: ``torch.set_num_threads`` for this process (``None``: leave torch's default, one per
@@ -144,9 +146,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
-        if int4_max_rows is None:
-            int4_max_rows = 4 if (self.device.type == "cpu" and self.dtype == torch.bfloat16) else 0
-        if self.device.type != "cpu":
+        if int4_max_rows is None or self.device.type != "cpu":
             int4_max_rows = 0
         budget = None
         if memory_budget != 0:

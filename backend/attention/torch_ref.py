@@ -89,29 +89,28 @@ class TorchAttention:
         output on CPU, used as is by the float32 decode path).
         """
         nd = meta.num_decodes
-        dec = None
-        if (
-            nd
-            and self._cpu_kernel is not None
-            and query.device.type == "cpu"
-            and k_cache.dtype in _KERNEL_DTYPES
-        ):
-            dec = self._cpu_kernel.paged_decode(
-                query[:nd].float().contiguous(),
+        if self._cpu_kernel is not None and query.device.type == "cpu" and k_cache.dtype in _KERNEL_DTYPES:
+            # one kernel for every row, decode or prefill: each row's result depends on its own
+            # query, keys and length only (batch invariance; see backend/cpu_kernels.cpp)
+            if nd == meta.num_seqs:
+                row_seq, row_lens = None, meta.seq_lens
+            else:
+                row_seq, row_lens = _row_plan(meta)
+            return self._cpu_kernel.paged_attention(
+                query.float().contiguous(),
                 k_cache,
                 v_cache,
                 meta.block_tables,
-                meta.seq_lens,
+                row_seq,
+                row_lens,
                 float(scale),
             )
-            if nd == meta.num_seqs:
-                return dec
-        plan = _plan(meta, query.device, decode=dec is None)  # no decode gather/bias when the kernel did them
+        plan = _plan(meta, query.device)
         if nd == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
         if nd:
-            out[:nd] = dec if dec is not None else self._decode(query[:nd], k_cache, v_cache, plan, scale)
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, plan, scale)
         tiled = k_cache.dtype != torch.float32 and query.device.type == "cpu"
         for row, n, S, blocks, mask in plan["prefills"]:
             k = k_cache.index_select(0, blocks).flatten(0, 1)[:S].transpose(0, 1)  # [nkv, S, hd]
@@ -241,6 +240,25 @@ class TorchAttention:
         p = torch.softmax(s, dim=-1)  # float32 inside, compute dtype out
         o = torch.bmm(p, v.view(nd, L, nkv * hd)).view(nd, nkv, g, nkv, hd)
         return torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(nd, nh, hd)
+
+
+def _row_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: its sequence (``[T] int32``, a row of ``meta.block_tables``) and the keys it sees
+    (``[T] int32``: query ``i`` of a chunk of ``n`` new tokens over ``S`` keys sees ``S - n + 1 + i``).
+    Computed once per step (cached on the metadata object)."""
+    plan = getattr(meta, "_torch_ref_rows", None)
+    if plan is None:
+        seqs, lens = [], []
+        for i, (n, S) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            seqs += [i] * n
+            lens += range(S - n + 1, S + 1)
+        dev = meta.seq_lens.device
+        plan = (
+            torch.tensor(seqs, dtype=torch.int32, device=dev),
+            torch.tensor(lens, dtype=torch.int32, device=dev),
+        )
+        meta._torch_ref_rows = plan  # type: ignore[attr-defined]
+    return plan
 
 
 def _plan(meta: AttentionMetadata, device: torch.device, decode: bool = True) -> dict:

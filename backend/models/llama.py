@@ -180,18 +180,69 @@ def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+#: row counts tried for the oneDNN calls of a matmul, largest first (see ``row_tiles``)
+ROW_TILE_CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
+#: one large row count tried beside the small ones, for long prefill chunks
+ROW_TILE_LARGE = 512
+
+_row_tile_cache: dict[tuple, tuple[int, ...]] = {}
+
+
+def _onednn_mm(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+@torch.inference_mode()
+def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor | None) -> tuple[int, ...]:
+    """The row counts a oneDNN-prepacked matmul may be called with so that every output row is
+    computed the same way whatever the number of rows (batch invariance).
+
+    oneDNN picks its blocking (and so the reduction order over ``K``) from the shape and the thread
+    count: measured on the 2-core Xeon VM (AVX512-BF16 + AMX), bf16, the ``[576, 1536]`` down projection
+    gave other bits for 96-129 rows (1 thread) and 200-256 rows (2 threads) than for 1-69, 257-2048;
+    the other shapes of SmolLM2 were row-invariant everywhere. So each shape is probed once per
+    process (cached by shape, dtype, bias and thread count), on random rows against the real packed
+    weight: the largest ``c`` of ``ROW_TILE_CANDIDATES`` whose every row count ``1..c`` gives the rows
+    of the ``c``-row call bit for bit, plus ``ROW_TILE_LARGE`` when its rows equal those too.
+
+    Returns:
+        ``(ROW_TILE_LARGE, c)`` or ``(c,)``; ``Linear`` splits a batch into calls of these sizes
+        (large ones first), the last call taking the remainder (at most ``c`` rows).
+    """
+    n = packed.shape[0] if packed.dim() == 2 else -1
+    key = (tuple(packed.shape), k, n, dtype, b is not None, torch.get_num_threads())
+    got = _row_tile_cache.get(key)
+    if got is not None:
+        return got
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(ROW_TILE_LARGE, k, generator=gen).to(dtype)
+    small = 1
+    for c in ROW_TILE_CANDIDATES:
+        ref = _onednn_mm(x[:c], packed, b)
+        if all(torch.equal(_onednn_mm(x[:m], packed, b), ref[:m]) for m in range(1, c)):
+            small = c
+            break
+    large = _onednn_mm(x, packed, b)
+    tiles = (
+        (ROW_TILE_LARGE, small) if torch.equal(large[:small], _onednn_mm(x[:small], packed, b)) else (small,)
+    )
+    _row_tile_cache[key] = tiles
+    return tiles
+
+
 class Linear:
     """``y = x @ W.T`` with ``W [N, K]``: oneDNN-prepacked on CPU, optionally packed int4 for few rows.
 
     Dense weights are kept as ``W`` ``[N, K]`` in the compute dtype or, on CPU, only as a oneDNN
-    prepacked copy (``onednn_pack``; used for every row count; ``W`` is then dropped). With ``q4``
+    prepacked copy (``onednn_pack``; used for every row count; ``W`` is then dropped), called with the
+    row counts of ``row_tiles`` only, so each output row's bits do not depend on the batch. With ``q4``
     (``codes [N, K] uint8, scale [N, K/32], zero [N, K/32]``) on CPU, inputs of at most
     ``int4_max_rows`` rows use ``torch.ops.aten._weight_int4pack_mm_for_cpu`` instead (reads 4 bits
     per weight; the same matmul against the same dequantized weights up to float rounding; off by
     default since the prepacked bf16 path measured as fast at 1 row and faster at 8).
     """
 
-    __slots__ = ("w", "b", "onednn", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
+    __slots__ = ("w", "b", "onednn", "tiles", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
 
     def __init__(
         self,
@@ -208,6 +259,7 @@ class Linear:
         self.w = w.to(device=device, dtype=dtype).contiguous()
         self.b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         self.onednn = onednn_pack(self.w) if prepack else None
+        self.tiles = row_tiles(self.onednn, w.shape[1], dtype, self.b) if self.onednn is not None else ()
         self.w8 = self.w8_scale = None
         if (
             int8_small
@@ -243,7 +295,18 @@ class Linear:
                 y = torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w8_scale)
             return y if self.b is None else y.add_(self.b)
         if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.b, "none", [], "")
+            m = x.shape[0]
+            small = self.tiles[-1]
+            if m <= small or m in self.tiles:
+                return _onednn_mm(x, self.onednn, self.b)
+            parts, a = [], 0
+            for t in self.tiles:
+                while m - a > small and m - a >= t:
+                    parts.append(_onednn_mm(x[a : a + t], self.onednn, self.b))
+                    a += t
+            if a < m:
+                parts.append(_onednn_mm(x[a:], self.onednn, self.b))
+            return torch.cat(parts)
         return torch.mm(x, self.w.t()) if self.b is None else torch.addmm(self.b, x, self.w.t())
 
 
@@ -263,8 +326,9 @@ class LlamaModel:
         device: ``"cpu"`` or ``"cuda[:n]"``.
         dtype: compute dtype of the matmuls (``torch.float32``, ``torch.bfloat16``, ``torch.float16``).
         int4_max_rows: on CPU with ``weights.q4`` (4-bit GGUF), steps of at most this many new tokens use
-            the packed int4 matmul (0 disables), and the LM head a per-row int8 copy. ``None``: 4 for bfloat16
-            on CPU, else 0. Measured, whole bf16 step on the 2-core VM: 1/2/4/8 rows int4 15.0/17.2/20.3/31.1 ms
+            the packed int4 matmul (0 disables), and the LM head a per-row int8 copy. ``None``: 0, so every
+            row count takes the same dense matmuls (batch invariance; a positive value gives that up).
+            Measured, whole bf16 step on the 2-core EPYC VM: 1/2/4/8 rows int4 15.0/17.2/20.3/31.1 ms
             vs oneDNN-prepacked bf16 24/26.8/27.9/29.5 ms (a decode step streams every weight from DRAM, and
             int4 reads a quarter of the bytes); the fp32 int4 kernel is far slower than dense.
         prepack: on CPU, use oneDNN-prepacked weights (``onednn_pack``) for every matmul, LM head included.
@@ -296,9 +360,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_dtype = dtype
-        if int4_max_rows is None:
-            int4_max_rows = 4 if (self.device.type == "cpu" and dtype == torch.bfloat16) else 0
-        if self.device.type != "cpu":
+        if int4_max_rows is None or self.device.type != "cpu":
             int4_max_rows = 0
         self.int4_max_rows = int4_max_rows if weights.q4 else 0
         self.cpu_kernels = None
@@ -508,9 +570,12 @@ class LlamaModel:
         cfg = self.config
         if logit_rows is None or logit_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        hl = F.rms_norm(x.index_select(0, logit_rows), (cfg.hidden_size,), self.norm, cfg.rms_norm_eps).to(
-            self.dtype
-        )
+        xs = x.index_select(0, logit_rows)
+        kern = self.cpu_kernels
+        if kern is not None:  # the C++ row kernel: one reduction order per row, whatever the batch
+            hl = kern.add_rms_norm(xs, None, self.norm, cfg.rms_norm_eps, self.dtype == torch.bfloat16)
+        else:
+            hl = F.rms_norm(xs, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps).to(self.dtype)
         return self.lm_head(hl).float()
 
     def _layers_fused(self, kern, x, positions, kv_caches, attn, meta, max_pos) -> None:

@@ -220,15 +220,17 @@ def test_every_quant_type_loads(qt, tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
 def test_int4_path_covers_4bit_types(name: str, tmp_path) -> None:
-    """A Q4_0/Q4_1/Q4_K file's layer matrices take the packed int4 matmul for decode steps (on by default in
-    bfloat16 on CPU) and give the logits of the dense matmuls of the same dequantized weights: compared in
+    """A Q4_0/Q4_1/Q4_K file's layer matrices take the packed int4 matmul for decode steps (with
+    ``int4_max_rows``; off by default: the default is batch invariant, docs/kernels.md) and give the logits of the dense matmuls of the same dequantized weights: compared in
     float32, where the two differ by rounding only (measured 1.3e-5 at logits of about 10). A qwen2: the
     int4 matmul adds the q/k/v biases."""
     qt = gguf.GGMLQuantizationType[name]
     spec = dataclasses.replace(QSPEC, arch="qwen2")
     path = write_tiny_gguf(tmp_path / f"{name}.gguf", spec=spec, encode=_encoder(qt))
     default = ModelRunner(str(path), dtype="bfloat16", block_size=BS, num_kv_blocks=4)
-    assert default.model.int4_max_rows == 4 and default.model.layers[0][1].packed is not None
+    assert default.model.int4_max_rows == 0 and default.model.layers[0][1].packed is None
+    bf16_int4 = ModelRunner(str(path), dtype="bfloat16", block_size=BS, num_kv_blocks=4, int4_max_rows=4)
+    assert bf16_int4.model.layers[0][1].packed is not None
     fast = ModelRunner(str(path), dtype="float32", block_size=BS, num_kv_blocks=4, int4_max_rows=4)
     dense = ModelRunner(str(path), dtype="float32", block_size=BS, num_kv_blocks=4)
     assert fast.model.layers[0][1].packed is not None and dense.model.int4_max_rows == 0

@@ -206,15 +206,15 @@ def test_bad_chunks(runner: ModelRunner) -> None:
     assert runner.execute([]).shape == (0, runner.vocab_size)
 
 
-@pytest.fixture(scope="module", params=["default", "onednn"])
+@pytest.fixture(scope="module", params=["int4", "default"])
 def runner_bf16(model_path, request) -> ModelRunner:
-    """bfloat16 runners: the default (int4 layers + int8 LM head for <= 4 rows, oneDNN-prepacked dense
-    above) and oneDNN-prepacked dense matmuls only."""
-    int4 = 0 if request.param == "onednn" else None
+    """bfloat16 runners: int4 layers + int8 LM head for <= 4 rows (``int4_max_rows=4``), oneDNN-prepacked
+    dense above; and the default, oneDNN-prepacked dense matmuls for every row count (batch invariant)."""
+    int4 = 4 if request.param == "int4" else None
     r = ModelRunner(
         model_path, device="cpu", dtype="bfloat16", block_size=BS, num_kv_blocks=64, int4_max_rows=int4
     )
-    if request.param == "default":
+    if request.param == "int4":
         assert r.model.int4_max_rows == 4 and r.model.lm_head.w8 is not None
     else:
         assert r.model.int4_max_rows == 0
