@@ -101,52 +101,59 @@ def _free_port() -> int:
 
 
 def start_gateway(policy: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, str, str]:
-    """``python -m gateway serve`` with ``--routing policy``; returns (process, base URL, admin key, API key)
-    once /readyz is 200 and a tenant key exists. Raises RuntimeError: it exited or was not ready in 600 s."""
+    """``python -m gateway serve`` with ``--routing policy`` on the tenancy store ``args.db``; returns
+    (process, base URL, admin key, API key) once /readyz is 200. The tenant ``bench`` is made once per store
+    and keeps its id (the cache salt, hence the split of the prompts among the backends) across runs.
+
+    Raises:
+        RuntimeError: it exited or was not ready in 600 s.
+    """
     import httpx
 
     tmp = tempfile.mkdtemp(prefix="bench-routing-")
     port, admin = _free_port(), "adm-" + os.urandom(8).hex()
-    cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--db", f"{tmp}/t.db"]
-    cmd += [
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--port",
+        str(port),
+        "--db",
+        args.db,
         "--admin-key",
         admin,
-        "--backends",
-        str(args.replicas),
-        "--routing",
-        policy,
-        "--access-log",
-        "off",
     ]
+    cmd += ["--backends", str(args.replicas), "--routing", policy, "--access-log", "off"]
     cmd += [
         "--route-max-waiting",
         str(args.route_max_waiting),
         "--route-prefix-blocks",
         str(args.prefix_blocks),
     ]
-    cmd += ["--threads", str(args.threads)] + (
-        ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
-    )
-    log = open(Path(tmp) / "gateway.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd += ["--threads", str(args.threads)]
+    cmd += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+    log_path = Path(tmp) / "gateway.log"
+    with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"gateway exited with {proc.returncode}: {(Path(tmp) / 'gateway.log').read_text()[-2000:]}"
-            )
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_gateway(proc)
+            raise RuntimeError(f"gateway did not start: {log_path.read_text()[-2000:]}")
         try:
             if httpx.get(base + "/readyz", timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    else:
-        raise RuntimeError("gateway not ready in 600 s")
     a = {"Authorization": f"Bearer {admin}"}
-    tid = httpx.post(base + "/admin/v1/tenants", json={"name": "bench"}, headers=a, timeout=30).json()["id"]
-    key = httpx.post(base + f"/admin/v1/tenants/{tid}/keys", json={}, headers=a, timeout=30).json()["key"]
+    if httpx.get(base + "/admin/v1/tenants/bench", headers=a, timeout=30).status_code == 404:
+        httpx.post(
+            base + "/admin/v1/tenants", json={"name": "bench"}, headers=a, timeout=30
+        ).raise_for_status()
+    key = httpx.post(base + "/admin/v1/tenants/bench/keys", json={}, headers=a, timeout=30).json()["key"]
     return proc, base, admin, key
 
 
@@ -161,12 +168,17 @@ def stop_gateway(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def cache_counters(base: str, admin: str) -> tuple[int, int]:
-    """(prefix-cache hit tokens, prompt tokens) summed over the gateway's backends."""
+def cache_counters(base: str, admin: str) -> tuple[int, int, list[int]]:
+    """(prefix-cache hit tokens, prompt tokens, requests finished by each backend) of the gateway's
+    backends."""
     import httpx
 
     st = httpx.get(base + "/admin/v1/stats", headers={"Authorization": f"Bearer {admin}"}, timeout=30).json()
-    return st["prefix_cache_hits"], st["prompt_tokens"]
+    return (
+        st["prefix_cache_hits"],
+        st["prompt_tokens"],
+        [b["stats"]["requests_finished"] for b in st["backends"]],
+    )
 
 
 async def send_all(base: str, key: str, model: str, pairs: list[tuple[int, str, str]], args) -> list[float]:
@@ -215,11 +227,11 @@ def run_policy(policy: str, pairs: list[tuple[int, str, str]], args) -> dict:
     proc, base, admin, key = start_gateway(policy, args)
     try:
         model = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
-        hits0, prompt0 = cache_counters(base, admin)
+        hits0, prompt0, done0 = cache_counters(base, admin)
         load0, t0 = os.getloadavg()[0], time.perf_counter()
         ttfts = trio.run(send_all, base, key, model["data"][0]["id"], pairs, args)
         wall, load1 = time.perf_counter() - t0, os.getloadavg()[0]
-        hits1, prompt1 = cache_counters(base, admin)
+        hits1, prompt1, done1 = cache_counters(base, admin)
     finally:
         stop_gateway(proc)
     ms = [t * 1000 for t in ttfts]
@@ -233,6 +245,7 @@ def run_policy(policy: str, pairs: list[tuple[int, str, str]], args) -> dict:
             "mean": sum(ms) / len(ms),
         },  # fmt: skip
         "hit_rate": (hits1 - hits0) / max(1, prompt1 - prompt0),
+        "per_backend": [b - a for a, b in zip(done0, done1, strict=True)],
         "wall_s": wall,
         "loadavg": [load0, load1],
     }
@@ -307,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--route-max-waiting", type=int, default=4)
     p.add_argument("--prefix-blocks", type=int, default=8)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--db", help="tenancy store (default: a new temp file); the same one keeps the tenant id")
     p.add_argument("--simulate", action="store_true", help="replay against block managers (no process)")
     p.add_argument("--salts", type=int, default=40, help="tenant salts of --simulate")
     args = p.parse_args(argv)
@@ -318,13 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     pairs = workload(
         prompts=args.prompts, questions=args.questions, prompt_words=args.prompt_words, seed=args.seed
     )
+    args.db = args.db or os.path.join(tempfile.mkdtemp(prefix="bench-routing-"), "tenancy.db")
     results = []
     for policy in args.policies.split(","):
         r = run_policy(policy, pairs, args)
         t = r["ttft_ms"]
         print(
             f"{policy:13s} TTFT p50 {t['p50']:7.1f} ms  p90 {t['p90']:7.1f}  p99 {t['p99']:7.1f}  mean {t['mean']:7.1f}"
-            f"  hit rate {r['hit_rate']:.3f}  wall {r['wall_s']:.1f} s  load {r['loadavg'][0]:.1f}->{r['loadavg'][1]:.1f}",
+            f"  hit rate {r['hit_rate']:.3f}  split {r['per_backend']}  wall {r['wall_s']:.1f} s  load {r['loadavg'][0]:.1f}->{r['loadavg'][1]:.1f}",
             flush=True,
         )
         results.append(r)
