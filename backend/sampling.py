@@ -172,64 +172,79 @@ def _sample_random(x: torch.Tensor, states: list[ChoiceState]) -> list[int]:
         for r, t in zip(plain, _draw(torch.cumsum(sub, dim=-1), [states[r] for r in plain])):
             out[r] = t
     if filt:
-        ks = [states[r].params.top_k if 0 < states[r].params.top_k < V else V for r in filt]
-        kc = min(V, max(_CANDIDATES, max(k for k in ks if k < V) if any(k < V for k in ks) else 0))
-        tp = [states[r].params.top_p for r in filt]
-        # a row without top-k whose nucleus is not inside the candidates needs the whole vocabulary
-        sub = probs[filt]
-        vals, idx = torch.topk(sub, kc, dim=-1)
-        if kc < V:
-            mass = vals.sum(-1).tolist()
-            wide = [i for i in range(len(filt)) if ks[i] == V and tp[i] < 1.0 and mass[i] < tp[i]]
-            if wide:
-                # nucleus wider than the candidates: find the probability threshold by bisection
-                # (O(V) per iteration, no full sort), then keep the tokens at or above it
-                w = sub[wide]
-                lo = torch.zeros(len(wide), 1)
-                hi = vals[wide, -1:].clone()  # mass above hi < top_p
-                p_t = torch.tensor([tp[i] for i in wide]).unsqueeze(1)
-                for _ in range(40):
-                    mid = (lo + hi) / 2
-                    ok = (w * (w >= mid)).sum(-1, keepdim=True) >= p_t
-                    lo = torch.where(ok, mid, lo)
-                    hi = torch.where(ok, hi, mid)
-                for j, i in enumerate(wide):
-                    row = w[j]
-                    keep = (row >= lo[j]).nonzero().squeeze(1)
-                    r = filt[i]
-                    pr = row[keep].double()
-                    mpv = states[r].params.min_p
-                    if mpv > 0:
-                        pr = torch.where(pr >= pr.max() * mpv, pr, torch.zeros_like(pr))
-                    (c,) = _draw(torch.cumsum(pr, 0).unsqueeze(0), [states[r]])
-                    out[r] = int(keep[c])
-                rest = [i for i in range(len(filt)) if i not in set(wide)]
-                if not rest:
-                    return out
-                filt = [filt[i] for i in rest]
-                ks = [ks[i] for i in rest]
-                tp = [tp[i] for i in rest]
-                vals, idx = vals[rest], idx[rest]
-        k_t = torch.tensor(ks, dtype=torch.int64).unsqueeze(1)
-        mask = torch.arange(kc).unsqueeze(0) >= k_t
-        pv = vals.masked_fill(mask, 0.0)
-        # top-p on the distribution left by top-k (renormalised), like vLLM
-        pv = pv / pv.sum(-1, keepdim=True)
-        if any(p < 1.0 for p in tp):
-            has_k = torch.tensor([k < V for k in ks]).unsqueeze(1)
-            # rows without top-k: mass relative to the whole vocabulary
-            ref = torch.where(has_k, pv, vals)
-            cum = torch.cumsum(ref, dim=-1)
-            mask |= (cum - ref) >= torch.tensor(tp, dtype=torch.float32).unsqueeze(1)
-        mp = [states[r].params.min_p for r in filt]
-        if any(m > 0 for m in mp):
-            mask |= pv < pv[:, :1] * torch.tensor(mp, dtype=torch.float32).unsqueeze(1)
-        pv = pv.masked_fill(mask, 0.0)
-        cols = _draw(torch.cumsum(pv, dim=-1), [states[r] for r in filt])
-        picked = idx.gather(1, torch.tensor(cols, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
-        for r, t in zip(filt, picked):
-            out[r] = t
+        # rows grouped by their own candidate count: a row's draw never depends on the other rows
+        groups: dict[int, list[int]] = {}
+        for r in filt:
+            k = states[r].params.top_k
+            groups.setdefault(min(V, max(_CANDIDATES, k if 0 < k < V else 0)), []).append(r)
+        for kc, rows in groups.items():
+            _sample_filtered(probs, states, rows, kc, out)
     return out
+
+
+def _sample_filtered(
+    probs: torch.Tensor, states: list[ChoiceState], filt: list[int], kc: int, out: list[int]
+) -> None:
+    """Top-k, top-p, min-p and one draw for the rows ``filt`` of ``probs [R, V]`` (softmax after
+    temperature), each over its ``kc`` best tokens (wider for a nucleus not inside them); writes
+    ``out[r]``."""
+    V = probs.shape[1]
+    ks = [states[r].params.top_k if 0 < states[r].params.top_k < V else V for r in filt]
+    tp = [states[r].params.top_p for r in filt]
+    # a row without top-k whose nucleus is not inside the candidates needs the whole vocabulary
+    sub = probs[filt]
+    vals, idx = torch.topk(sub, kc, dim=-1)
+    if kc < V:
+        mass = vals.sum(-1).tolist()
+        wide = [i for i in range(len(filt)) if ks[i] == V and tp[i] < 1.0 and mass[i] < tp[i]]
+        if wide:
+            # nucleus wider than the candidates: find the probability threshold by bisection
+            # (O(V) per iteration, no full sort), then keep the tokens at or above it
+            w = sub[wide]
+            lo = torch.zeros(len(wide), 1)
+            hi = vals[wide, -1:].clone()  # mass above hi < top_p
+            p_t = torch.tensor([tp[i] for i in wide]).unsqueeze(1)
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                ok = (w * (w >= mid)).sum(-1, keepdim=True) >= p_t
+                lo = torch.where(ok, mid, lo)
+                hi = torch.where(ok, hi, mid)
+            for j, i in enumerate(wide):
+                row = w[j]
+                keep = (row >= lo[j]).nonzero().squeeze(1)
+                r = filt[i]
+                pr = row[keep].double()
+                mpv = states[r].params.min_p
+                if mpv > 0:
+                    pr = torch.where(pr >= pr.max() * mpv, pr, torch.zeros_like(pr))
+                (c,) = _draw(torch.cumsum(pr, 0).unsqueeze(0), [states[r]])
+                out[r] = int(keep[c])
+            rest = [i for i in range(len(filt)) if i not in set(wide)]
+            if not rest:
+                return
+            filt = [filt[i] for i in rest]
+            ks = [ks[i] for i in rest]
+            tp = [tp[i] for i in rest]
+            vals, idx = vals[rest], idx[rest]
+    k_t = torch.tensor(ks, dtype=torch.int64).unsqueeze(1)
+    mask = torch.arange(kc).unsqueeze(0) >= k_t
+    pv = vals.masked_fill(mask, 0.0)
+    # top-p on the distribution left by top-k (renormalised), like vLLM
+    pv = pv / pv.sum(-1, keepdim=True)
+    if any(p < 1.0 for p in tp):
+        has_k = torch.tensor([k < V for k in ks]).unsqueeze(1)
+        # rows without top-k: mass relative to the whole vocabulary
+        ref = torch.where(has_k, pv, vals)
+        cum = torch.cumsum(ref, dim=-1)
+        mask |= (cum - ref) >= torch.tensor(tp, dtype=torch.float32).unsqueeze(1)
+    mp = [states[r].params.min_p for r in filt]
+    if any(m > 0 for m in mp):
+        mask |= pv < pv[:, :1] * torch.tensor(mp, dtype=torch.float32).unsqueeze(1)
+    pv = pv.masked_fill(mask, 0.0)
+    cols = _draw(torch.cumsum(pv, dim=-1), [states[r] for r in filt])
+    picked = idx.gather(1, torch.tensor(cols, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
+    for r, t in zip(filt, picked):
+        out[r] = t
 
 
 def process_logits(logits: torch.Tensor, states: list[ChoiceState]) -> torch.Tensor:

@@ -178,3 +178,18 @@ def test_seeds_reproducible_across_batches_and_fresh_seeds_differ(runner, prompt
     outs = {tuple(collect_tokens(free[f"f{i}"])) for i in range(3)}
     assert len(outs) > 1, "requests without a seed gave identical outputs"
     assert eng.stats().kv_blocks_used == 0
+
+
+def test_filtered_rows_do_not_depend_on_the_batch():
+    """A top-p / min-p row draws the same tokens alone and beside a row with a wide top-k (the candidate
+    count was the batch's largest top-k, which changed the row's renormalisation)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 49152, generator=gen) * 3.0
+    for kw in ({"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 40, "top_p": 0.95}):
+        alone = st(None, [1], temperature=0.8, seed=5, **kw)
+        mixed = st(None, [1], temperature=0.8, seed=5, **kw)
+        wide = st(None, [1], temperature=1.0, seed=6, top_k=3000)
+        plain = st(None, [1], temperature=1.0, seed=7)
+        a = [sample(rows[i : i + 1], [alone])[0][0] for i in range(3) for _ in range(10)]
+        b = [sample(rows[i].repeat(3, 1), [wide, mixed, plain])[0][1] for i in range(3) for _ in range(10)]
+        assert a == b, kw
