@@ -17,7 +17,7 @@ itself; usage in the front's ledger (admin usage API) as the upstream counted it
 cutting the upstream's text; a client leaving mid-stream closes the upstream request (the upstream's
 ``running`` returns to 0); the Ollama API (/api/chat) for an upstream model; tool calls and the request's
 fields passed through; usage the upstream omits counted here and marked estimated in the ledger row; an
-answer broken off mid-stream as an SSE error event; a 5xx as 502, and failover past it.
+answer broken off mid-stream as an SSE error event; a 5xx as 502, and failover past it; /v1/completions.
 """
 
 from __future__ import annotations
@@ -329,3 +329,15 @@ def test_upstream_5xx_fails_over_and_alone_is_a_502(front):
     assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error"
     r = _chat(_client(front), "fail-then-up", n=2)  # COUNT is not scripted: a 500, then the real upstream
     assert r.choices[0].message.content and r.usage.completion_tokens == 2
+
+
+def test_legacy_completions_pass_through(front):
+    up = front.extra["upstream"]
+    direct = up.openai().completions.create(
+        model=up.model, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    r = _client(front).completions.create(
+        model="up", prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert r.choices[0].text == direct.choices[0].text and r.usage.completion_tokens == 4
+    assert r.usage.prompt_tokens == direct.usage.prompt_tokens
