@@ -31,9 +31,15 @@ T = TypeVar("T")
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 _UNKNOWN = re.compile(r"contains unknown field `([^`]*)`")
+_REGEX = re.compile(r"Expected `str` matching regex '.*'$")
 _KEY = re.compile(r" - at `key` in `\$\.?([^`]*)`$")
 # map members whose entries are typed: an error inside one is located again entry by entry to name the entry
 MAPS: dict[str, type] = {"model_limits": LimitsPatch}
+
+
+def in_words(what: str) -> str:
+    """msgspec's complaint with the one pattern of the schemas (``ModelName``'s) said in words."""
+    return _REGEX.sub("Expected a name without leading or trailing white space", what)
 
 
 def invalid_body(exc: msgspec.ValidationError, within: str = "") -> InvalidRequest:
@@ -42,14 +48,14 @@ def invalid_body(exc: msgspec.ValidationError, within: str = "") -> InvalidReque
     text = str(exc)
     key = _KEY.search(text)
     if key:
-        what = text[: key.start()]
+        what = in_words(text[: key.start()])
         return InvalidRequest(
             f"Invalid key in '{key.group(1)}': {what}.", param=key.group(1), code="invalid_value"
         )
     at = _AT.search(text)
     path = at.group(1).replace("[...]", "") if at else ""
     path = f"{within}.{path}" if within and path else within or path
-    what = text[: at.start()] if at else text
+    what = in_words(text[: at.start()] if at else text)
     for pattern, message, code in (
         (_MISSING, "Missing required field: '{}'.", "missing_required_parameter"),
         (_UNKNOWN, "Unknown field: '{}'.", "unknown_parameter"),

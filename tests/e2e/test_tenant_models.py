@@ -81,21 +81,27 @@ def test_admin_api_models_and_model_limits(gateway):
             "model_limits",
             "invalid_value",
         ),
-        ("PATCH", f"/tenants/{t['id']}", {"model_limits": {"m": {"rpm": -1}}}, "model_limits.m.rpm", None),
-        ("PATCH", f"/tenants/{t['id']}", {"model_limits": {"m": {"bogus": 1}}}, "model_limits.m.bogus", None),
+        (
+            "PATCH",
+            f"/tenants/{t['id']}",
+            {"model_limits": {"m": {"rpm": -1}}},
+            "model_limits.m.rpm",
+            "invalid_value",
+        ),
+        (
+            "PATCH",
+            f"/tenants/{t['id']}",
+            {"model_limits": {"m": {"x": 1}}},
+            "model_limits.m.x",
+            "unknown_parameter",
+        ),
         ("POST", f"/tenants/{t['id']}/keys", {"models": [" padded"]}, "models[0]", "invalid_value"),
     ]
     for method, path, body, param, code in bad:
         r = admin(gateway, method, path, body)
         err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == param and err["code"], (body, r.text)
-        assert code is None or err["code"] == code, (body, err)
-    assert (
-        admin(gateway, "PATCH", f"/tenants/{t['id']}", {"model_limits": {"m": {"bogus": 1}}}).json()["error"][
-            "code"
-        ]
-        == "unknown_parameter"
-    )
+        assert (r.status_code, err["param"], err["code"]) == (400, param, code), (body, r.text)
+    assert "without leading or trailing white space" in err["message"]  # the last one, said in words
 
     schemas = httpx.get(gateway.base_url + "/openapi.json", timeout=30).json()["components"]["schemas"]
     for name in ("TenantCreate", "TenantPatch", "Tenant"):
