@@ -14,7 +14,7 @@ Built from a ``[[models]]`` table (``gateway.sections.ModelSettings``): the kind
     send = "messages"                     # or "prompt": the gateway templates, /v1/completions
 
 Units: seconds for timeouts, tokens for ``context_length``, tokens per character for ``tokens_per_char``. Errors: ``UpstreamConfigError``
-(a ``ValueError``) names the model and the field, never the key.
+(a ``ValueError``) names the field, never the key (``gateway.launch`` puts the model's name first).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ TOKENS_PER_REQUEST = 32
 
 class UpstreamConfigError(ValueError):
     """A model of kind ``openai`` that cannot be used: no URL, a URL that is not http(s), an API key source
-    that cannot be read. ``str()`` is one line naming the model and the field (never the key)."""
+    that cannot be read. ``str()`` is one line naming the field (never the key)."""
 
 
 def _meta(description: str, **constraints: float) -> msgspec.Meta:
@@ -68,25 +68,23 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
         float, _meta("tokens reserved per prompt character without a tokenizer", gt=0)
     ] = TOKENS_PER_CHAR
 
-    def check(self, name: str) -> None:
+    def check(self) -> None:
         """Raises ``UpstreamConfigError`` unless every URL is an absolute http(s) URL and the key source
         (if any) can be read."""
         if not self.urls:
-            raise UpstreamConfigError(f"model {name!r}: 'urls' lists no URL")
+            raise UpstreamConfigError("'urls' lists no URL")
         for u in self.urls:
             try:
                 url = httpx.URL(u)
             except Exception:  # noqa: BLE001 - httpx.InvalidURL and its relatives
                 url = None
             if url is None or url.scheme not in ("http", "https") or not url.host:
-                raise UpstreamConfigError(f"model {name!r}: 'urls' holds {u[:200]!r}, not an http(s) URL")
+                raise UpstreamConfigError(f"'urls' holds {u[:200]!r}, not an http(s) URL")
         if self.send == "prompt" and self.tokenizer is None:
-            raise UpstreamConfigError(
-                f'model {name!r}: send = "prompt" needs a tokenizer (its chat template)'
-            )
-        self.api_key(name)
+            raise UpstreamConfigError('send = "prompt" needs a tokenizer (its chat template)')
+        self.api_key()
 
-    def api_key(self, name: str) -> str | None:
+    def api_key(self) -> str | None:
         """The upstream's API key: from ``api_key_env``, else ``api_key_file`` (stripped), else None.
 
         Raises:
@@ -95,9 +93,7 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
         if self.api_key_env is not None:
             key = os.environ.get(self.api_key_env, "").strip()
             if not key:
-                raise UpstreamConfigError(
-                    f"model {name!r}: the variable {self.api_key_env} is unset or empty"
-                )
+                raise UpstreamConfigError(f"the variable {self.api_key_env} is unset or empty")
             return key
         if self.api_key_file is not None:
             try:
@@ -105,9 +101,9 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
                     key = f.read().strip()
             except OSError as exc:
                 raise UpstreamConfigError(
-                    f"model {name!r}: cannot read api_key_file {self.api_key_file}: {exc.strerror}"
+                    f"cannot read api_key_file {self.api_key_file}: {exc.strerror}"
                 ) from None
             if not key:
-                raise UpstreamConfigError(f"model {name!r}: api_key_file {self.api_key_file} is empty")
+                raise UpstreamConfigError(f"api_key_file {self.api_key_file} is empty")
             return key
         return None

@@ -5,7 +5,7 @@ when a ``tokenizer`` is configured, that tokenizer and its chat template (counti
 ``open_upstream(name, config, aliases)`` checks the config and loads the tokenizer in a worker thread.
 
 Raises (``open_upstream``): ``UpstreamConfigError`` (a ``ValueError``): a bad URL, an unreadable key, a
-tokenizer that cannot be loaded, ``send = "prompt"`` without a chat template; one line naming the model.
+tokenizer that cannot be loaded, ``send = "prompt"`` without a chat template; one line naming the field.
 """
 
 from __future__ import annotations
@@ -36,18 +36,16 @@ class OpenAIUpstream:
         tokenizer: TextTokenizer | None = None,
         template: ChatTemplate | None = None,
     ) -> None:
-        config.check(name)
+        config.check()
         if config.send == "prompt" and template is None:
-            raise UpstreamConfigError(
-                f'model {name!r}: send = "prompt" needs a tokenizer with a chat template'
-            )
+            raise UpstreamConfigError('send = "prompt" needs a tokenizer with a chat template')
         self.name = name
         self.aliases = tuple(aliases)
         self.config = config
         self.tokenizer = tokenizer
         self.template = template
         self.context_length = config.context_length
-        self.client = UpstreamClient(name, config, config.api_key(name))
+        self.client = UpstreamClient(name, config, config.api_key())
 
     def __repr__(self) -> str:  # never the key
         return f"OpenAIUpstream({self.name!r}, urls={len(self.config.urls)})"
@@ -67,7 +65,7 @@ def _text_side(name: str, path: str) -> tuple[TextTokenizer, ChatTemplate | None
         tok = cached_tokenizer(path)
     except Exception as exc:  # noqa: BLE001 - whatever the loader raises: one line
         why = " ".join(str(exc).split())
-        raise UpstreamConfigError(f"model {name!r}: cannot load tokenizer {path}: {why}") from None
+        raise UpstreamConfigError(f"cannot load tokenizer {path}: {why}") from None
     try:
         template: ChatTemplate | None = ChatTemplate(tok, None)
     except Exception:  # noqa: BLE001 - no usable template: counting still works
@@ -81,7 +79,7 @@ async def open_upstream(name: str, config: UpstreamConfig, aliases: tuple[str, .
     Raises:
         UpstreamConfigError: see the module docstring.
     """
-    config.check(name)
+    config.check()
     tok = template = None
     if config.tokenizer is not None:
         tok, template = await trio.to_thread.run_sync(_text_side, name, config.tokenizer)
