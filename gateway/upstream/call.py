@@ -16,8 +16,9 @@ What passes through: every field the client set (``msgspec`` defaults left out),
 with its message).
 
 ``send = "prompt"``: the chat template of the model's tokenizer renders the conversation here and the
-upstream gets ``/completions`` with that ``prompt`` (its token count exact); ``tools`` are refused there
-(the text that comes back is not parsed for calls).
+upstream gets ``/completions`` with that ``prompt``: its token ids (``prompt_as = "ids"``, the default: the
+count is exact and a control-token string is never re-read as text or as a special token), or its text;
+``tools`` are refused there (the text that comes back is not parsed for calls).
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ async def chat_call(
         except TemplateError as exc:
             raise InvalidRequest(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
         prompt, exact, path, chat = len(rendered.ids), True, "/completions", False
-        fields["prompt"] = rendered.text
+        fields["prompt"] = rendered.ids if cfg.prompt_as == "ids" else rendered.text
     else:
         fields["messages"] = messages
         prompt = await gw.tokenize(lambda: prompt_tokens(messages, tok, cfg), chars if tok is not None else 0)

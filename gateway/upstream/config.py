@@ -12,6 +12,7 @@ Built from a ``[[models]]`` table (``gateway.sections.ModelSettings``): the kind
     upstream_model = "meta-llama/Llama-3.1-8B-Instruct"              # default: the served name
     api_key_env = "BIG_API_KEY"           # or api_key_file = "/run/secrets/big"; never logged
     send = "messages"                     # or "prompt": the gateway templates, /v1/completions
+    prompt_as = "ids"                     # send = "prompt": token ids (default) or "text"
 
 Units: seconds for timeouts, tokens for ``context_length``, tokens per character for ``tokens_per_char``. Errors: ``UpstreamConfigError``
 (a ``ValueError``) names the field, never the key (``gateway.launch`` puts the model's name first).
@@ -58,6 +59,10 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
         Literal["messages", "prompt"],
         _meta("messages: the upstream templates; prompt: the gateway templates and calls /v1/completions"),
     ] = "messages"
+    prompt_as: Annotated[
+        Literal["ids", "text"],
+        _meta("send = prompt: the rendered prompt as token ids (exact) or as text (the upstream tokenizes)"),
+    ] = "ids"
     tokenizer: Annotated[str | None, _meta("tokenizer (GGUF or HF dir) counting tokens here")] = None
     context_length: Annotated[
         int, _meta("tokens a request may use (reserved when max_tokens is absent)", ge=1)

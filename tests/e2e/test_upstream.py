@@ -8,6 +8,8 @@ is a second gateway (``start_gateway``, no backend of its own) serving only upst
 * ``up-limited``: the same, through an upstream key whose tenant allows 1 request a minute (upstream 429);
 * ``down``: a URL where nothing listens (503 ``upstream_unavailable``, fast);
 * ``failover``: that URL first, then the upstream's (failover before the first byte);
+* ``up-prompt``: the upstream's model with ``send = "prompt"`` (the front renders the chat template of the
+  default model's tokenizer and calls /v1/completions);
 * ``scripted``: a scripted OpenAI-compatible server in this process (``Scripted``: tool calls, an answer
   without usage, one that breaks off, a 500), and ``fail-then-up``: it first, then the real upstream.
 
@@ -35,6 +37,8 @@ import openai
 import pytest
 from plugins.gateway_server import GatewayProc, free_port, start_gateway
 from test_filters_http import new_tenant
+
+from backend.model_path import default_model_path
 
 COUNT = "Count from 1 to 10, one number per line."
 CUT_AT_THREE = {  # greedy COUNT starts "1. 1\n2. 2\n3. ..." with the default model: cut at the first "3"
@@ -129,6 +133,8 @@ def front(gateway):
         + model("up-limited", [real], "UP_LIMITED_KEY")
         + model("down", [closed], "UP_KEY")
         + model("failover", [closed, real], "UP_KEY")
+        + model("up-prompt", [real], "UP_KEY")
+        + f'send = "prompt"\ntokenizer = "{default_model_path()}"\n\n'
         + model("scripted", [fake], "UP_KEY")
         + model("fail-then-up", [fake, real], "UP_KEY")
     )
@@ -341,3 +347,11 @@ def test_legacy_completions_pass_through(front):
     )
     assert r.choices[0].text == direct.choices[0].text and r.usage.completion_tokens == 4
     assert r.usage.prompt_tokens == direct.usage.prompt_tokens
+
+
+def test_send_prompt_renders_here_and_gives_the_same_answer(front):
+    up = front.extra["upstream"]
+    direct = _chat(up.openai(), up.model, n=5)
+    r = _chat(_client(front), "up-prompt", n=5)
+    assert r.choices[0].message.content == direct.choices[0].message.content
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (direct.usage.prompt_tokens, 5)
