@@ -149,12 +149,21 @@ class _UpstreamRun:
         self.accepted = False  # the upstream answered 2xx
         self.t_sent: float | None = None
         self.t_first: float | None = None
+        self._settled: tuple[tuple[int, int], Usage] | None = None
 
     # ------------------------------------------------------------------ counts
     def _usage(self) -> Usage:
-        tok, cfg = self.model.tokenizer, self.model.config
-        counted = sum(text_tokens("".join(c.received), tok, cfg) for c in self.choices)
-        return settled(self.usage, prompt_tokens=self.call.prompt_tokens, completion_tokens=counted)
+        """The usage billed (``gateway.upstream.usage.settled``), counted once per state of the answer (the
+        count over the text received runs only when the upstream sent no usage)."""
+        key = (id(self.usage), sum(c.chunks for c in self.choices))
+        if self._settled is None or self._settled[0] != key:
+            tok, cfg = self.model.tokenizer, self.model.config
+
+            def count() -> int:
+                return sum(text_tokens("".join(c.received), tok, cfg) for c in self.choices)
+
+            self._settled = key, settled(self.usage, prompt_tokens=self.call.prompt_tokens, count=count)
+        return self._settled[1]
 
     def _timings(self, usage: Usage | None = None) -> dict[str, int]:
         """Timings (ns, Ollama names) of the request so far; token counts from ``usage`` once settled (a

@@ -16,7 +16,7 @@ say so).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -66,11 +66,11 @@ def _int(obj: Any, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def settled(upstream: Any, *, prompt_tokens: int, completion_tokens: int) -> Usage:
+def settled(upstream: Any, *, prompt_tokens: int, count: Callable[[], int]) -> Usage:
     """The usage billed: the upstream's ``usage`` object when it has both counts, else ``prompt_tokens``
-    (reserved) and ``completion_tokens`` (counted here), marked estimated."""
+    (reserved) and ``count()`` (the completion counted here, called only then), marked estimated."""
     p, c = _int(upstream, "prompt_tokens"), _int(upstream, "completion_tokens")
     if p is not None and c is not None:
         cached = _int(upstream.get("prompt_tokens_details"), "cached_tokens") or 0
         return Usage(prompt_tokens=p, completion_tokens=c, cached_tokens=min(cached, p))
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, estimated=True)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=count(), estimated=True)
