@@ -90,16 +90,20 @@ class UpstreamClient:
         await self.http.aclose()
 
     @asynccontextmanager
-    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+    async def stream(
+        self, path: str, body: dict[str, Any], request_id: str | None = None
+    ) -> AsyncIterator[httpx.Response]:
         """POST ``body`` to ``path`` (``/chat/completions``, ``/completions``) of the first URL that takes it;
-        the response is yielded unread and closed (cancel-shielded) when the block ends.
+        the response is yielded unread and closed (cancel-shielded) when the block ends. ``request_id`` goes
+        as ``x-request-id`` (the upstream's logs can name the same request).
 
         Raises:
             UpstreamUnavailable: 503, no URL could be reached.
             UpstreamError: 502, every reachable URL failed (5xx, timeout, broken answer).
             APIError: the upstream's 4xx (``errors.refused``).
         """
-        resp = await self._send(path, _encode(body))
+        headers = {"x-request-id": request_id} if request_id else {}
+        resp = await self._send(path, _encode(body), headers)
         self.in_flight += 1
         try:
             yield resp
@@ -108,10 +112,10 @@ class UpstreamClient:
             with trio.CancelScope(shield=True):
                 await resp.aclose()
 
-    async def _send(self, path: str, content: bytes) -> httpx.Response:
+    async def _send(self, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
         failure: APIError | None = None
         for url in self.urls:
-            req = self.http.build_request("POST", url + path, content=content)
+            req = self.http.build_request("POST", url + path, content=content, headers=headers)
             try:
                 resp = await self.http.send(req, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:

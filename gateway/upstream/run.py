@@ -210,7 +210,7 @@ class _UpstreamRun:
 
     async def _answer(self, headers: dict[str, str]) -> None:
         self.t_sent = time.perf_counter()
-        async with self.model.client.stream(self.call.path, self.call.body) as resp:
+        async with self.model.client.stream(self.call.path, self.call.body, self.req.request_id) as resp:
             self.accepted = True
             send, recv = trio.open_memory_channel[Any](_CHANNEL)
             failure: BaseException | None = None

@@ -82,7 +82,7 @@ SCRIPTS = {  # the last user message -> what the scripted upstream streams
 
 class Scripted(BaseHTTPRequestHandler):
     """A scripted OpenAI-compatible server (``ThreadingHTTPServer``): ``SCRIPTS`` by the last message; "fail"
-    is a 500. Every body received is kept in ``server.bodies``."""
+    is a 500. Every body received is kept in ``server.bodies``, its ``x-request-id`` in ``server.request_ids``."""
 
     protocol_version = "HTTP/1.0"  # the answer ends when the connection closes
 
@@ -92,6 +92,7 @@ class Scripted(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         self.server.bodies.append(body)  # type: ignore[attr-defined]
+        self.server.request_ids.append(self.headers.get("x-request-id"))  # type: ignore[attr-defined]
         said = body["messages"][-1]["content"]
         if said not in SCRIPTS:
             self.send_response(500)
@@ -116,7 +117,7 @@ def front(gateway):
     closed = f"http://127.0.0.1:{free_port()}/v1"  # bound once, now nothing listens there
     real = f"{gateway.base_url}/v1"
     scripted = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    scripted.bodies = []  # type: ignore[attr-defined]
+    scripted.bodies, scripted.request_ids = [], []  # type: ignore[attr-defined]
     threading.Thread(target=scripted.serve_forever, daemon=True).start()
     fake = f"http://127.0.0.1:{scripted.server_address[1]}/v1"
 
@@ -142,6 +143,7 @@ def front(gateway):
     gp = start_gateway("--config", str(cfg), env=env, dtype=None)
     gp.extra["upstream"] = gateway
     gp.extra["scripted"] = scripted.bodies  # type: ignore[attr-defined]
+    gp.extra["request_ids"] = scripted.request_ids  # type: ignore[attr-defined]
     try:
         yield gp
     finally:
@@ -290,6 +292,7 @@ def test_tool_calls_and_fields_pass_through(front):
     assert sent["stream_options"] == {"include_usage": True}
     assert (sent["tools"], sent["tool_choice"], sent["seed"], sent["max_tokens"]) == (tools, "auto", 7, 30)
     assert "inspect" not in sent and "n" not in sent  # the gateway's own field; defaults are not sent
+    assert front.extra["request_ids"][-1] == r.id  # the upstream's logs name the response's id
     call = r.choices[0].message.tool_calls[0]
     assert (call.id, call.function.name, call.function.arguments) == (
         "call_1",
