@@ -297,7 +297,8 @@ class _UpstreamRun:
         else:
             text, calls = ch.get("text"), []
         text = text if isinstance(text, str) else ""
-        if text or calls:
+        new = bool(text or calls)  # one token (see the module docstring), though a filter may hold it back
+        if new:
             c.received.append(text + "".join(d.arguments for d in calls))
             c.chunks += 1
         if c.finish is not None:
@@ -308,10 +309,10 @@ class _UpstreamRun:
             text = await c.filter.step(text, final)
             if c.filter.cut:
                 calls = []
-        if text or calls:
+        if new or text:
             if self.t_first is None:
                 self.t_first = time.perf_counter()
-            await self.sink.emit(TextDelta(index=c.index, text=text, tokens=1, tool_calls=calls))
+            await self.sink.emit(TextDelta(index=c.index, text=text, tokens=int(new), tool_calls=calls))
         if final or c.cut:
             c.upstream_finished = final and not c.cut
             c.finish = "content_filter" if c.cut else _reason(upstream_fin)
