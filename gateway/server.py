@@ -35,6 +35,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import trio
@@ -176,9 +177,17 @@ async def serve(settings: Settings) -> None:
         (m, backend_pool(settings, model, m) if m.kind == "native" else None) for m in settings.models
     ] or [(None, backend_pool(settings, model))]
     pools = [p for _, p in declared if p is not None]
+    catalog: ModelCatalog | None = None
+
+    def drain() -> None:  # every model: the pools now, the catalog once built (a model without backends)
+        for p in pools:
+            p.draining = True
+        if catalog is not None:
+            catalog.draining = True
+
     async with trio.open_nursery() as nursery:
         shutdown, serving = trio.Event(), trio.Event()
-        nursery.start_soon(_signals, shutdown, serving, pools, nursery.cancel_scope)
+        nursery.start_soon(_signals, shutdown, serving, drain, nursery.cancel_scope)
         t = settings.tenancy  # first: an unreachable store or Redis fails before the model loads
         tenancy = Tenants(
             t.db,
@@ -272,17 +281,17 @@ async def _stats(pools: list[BackendPool]) -> dict[str, tuple[Stats, int]]:
 
 
 async def _signals(
-    shutdown: trio.Event, serving: trio.Event, pools: list[BackendPool], scope: trio.CancelScope
+    shutdown: trio.Event, serving: trio.Event, drain: Callable[[], None], scope: trio.CancelScope
 ) -> None:
     """SIGINT/SIGTERM: before ``serving`` (backends loading, restarting, tokenizer) stop at once (``scope``
-    cancelled: each supervisor SIGTERMs and reaps its process); then the drain of the module docstring."""
+    cancelled: each supervisor SIGTERMs and reaps its process); then the drain of the module docstring.
+    ``drain()`` sets the drain flag of every model (``BackendPool.draining``, ``ModelCatalog.draining``)."""
     first = 0.0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
         async for sig in sigs:
             if not serving.is_set():
                 log.warning("signal %s during startup: stopping", signal.Signals(sig).name)
-                for p in pools:
-                    p.draining = True
+                drain()
                 scope.cancel()
                 return
             if shutdown.is_set():
@@ -296,8 +305,7 @@ async def _signals(
                 return
             log.info("signal %s: draining", signal.Signals(sig).name)
             first = trio.current_time()
-            for p in pools:
-                p.draining = True
+            drain()
             shutdown.set()
 
 
