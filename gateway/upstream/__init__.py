@@ -6,7 +6,7 @@ Layout (one noun a file)::
     config.py   UpstreamConfig: URLs, key source, upstream model name, send mode, timeouts, estimate factor
     model.py    OpenAIUpstream (the catalog's UpstreamModel): one httpx client, tokenizer; open_upstream()
     client.py   UpstreamClient: POST with failover over the URLs before the first byte; status mapping
-    sse.py      an upstream answer (SSE or JSON) as OpenAI chunk objects
+    sse.py      an upstream answer (SSE or JSON) as OpenAI chunk objects; their finish reasons, tool calls
     call.py     UpstreamCall: the client's request -> the upstream's body and the prompt's token count
     usage.py    the tokens billed: the upstream's usage, else counted here (estimated)
     run.py      run_upstream: the call as the events of gateway.generation.events

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Protocol, get_args
+from typing import Any, Protocol
 
 import httpx
 import trio
@@ -50,18 +50,16 @@ from gateway.generation.events import (
 )
 from gateway.generation.request import GenerationRequest
 from gateway.sections import HTTPSettings
-from gateway.tools.parser import ToolCallDelta
 from gateway.upstream.call import UpstreamCall
 from gateway.upstream.errors import UpstreamError
 from gateway.upstream.model import OpenAIUpstream
-from gateway.upstream.sse import chunks
+from gateway.upstream.sse import chunks, finish_reason, tool_call_pieces
 from gateway.upstream.usage import Usage, settled, text_tokens
 from ratelimit.reservation import Reservation
 
 log = logging.getLogger("gateway.upstream")
 
 _NS = 1_000_000_000
-_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 _CHANNEL = 64  # chunks read ahead of the client
 
 
@@ -101,33 +99,6 @@ class _Choice:
     @property
     def cut(self) -> bool:
         return self.filter is not None and self.filter.cut
-
-
-def _reason(value: object) -> FinishReason:
-    """An upstream ``finish_reason`` as one of the gateway's ("function_call" -> "tool_calls"; unknown ->
-    "stop")."""
-    if value == "function_call":
-        return "tool_calls"
-    return value if isinstance(value, str) and value in _REASONS else "stop"  # type: ignore[return-value]
-
-
-def _calls(raw: object) -> list[ToolCallDelta]:
-    """``delta.tool_calls`` pieces (OpenAI chunk shape) as ``ToolCallDelta``s; malformed entries dropped."""
-    out: list[ToolCallDelta] = []
-    for c in raw if isinstance(raw, list) else []:
-        if not isinstance(c, dict) or not isinstance(c.get("index", 0), int):
-            continue
-        fn = c.get("function") if isinstance(c.get("function"), dict) else {}
-        name, args = fn.get("name"), fn.get("arguments")
-        out.append(
-            ToolCallDelta(
-                index=c.get("index", 0),
-                id=c["id"] if isinstance(c.get("id"), str) else None,
-                name=name if isinstance(name, str) else None,
-                arguments=args if isinstance(args, str) else "",
-            )
-        )
-    return out
 
 
 @asynccontextmanager
@@ -293,7 +264,7 @@ class _UpstreamRun:
     async def _piece(self, c: _Choice, ch: dict[str, Any]) -> None:
         if self.call.chat:
             delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
-            text, calls = delta.get("content"), _calls(delta.get("tool_calls"))
+            text, calls = delta.get("content"), tool_call_pieces(delta.get("tool_calls"))
         else:
             text, calls = ch.get("text"), []
         text = text if isinstance(text, str) else ""
@@ -315,7 +286,7 @@ class _UpstreamRun:
             await self.sink.emit(TextDelta(index=c.index, text=text, tokens=int(new), tool_calls=calls))
         if final or c.cut:
             c.upstream_finished = final and not c.cut
-            c.finish = "content_filter" if c.cut else _reason(upstream_fin)
+            c.finish = "content_filter" if c.cut else finish_reason(upstream_fin)
             self.open -= 1
             await self.sink.emit(
                 ChoiceFinished(

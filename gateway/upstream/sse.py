@@ -6,6 +6,8 @@ ends it. Each event's data is one JSON object: a ``chat.completion.chunk`` or ``
 (OpenAI "The chat completion chunk object"). An ``application/json`` answer (an upstream that does not
 stream) is turned into one equivalent chunk: ``message`` becomes ``delta``, tool calls get their ``index``.
 
+``finish_reason`` and ``tool_call_pieces`` read members of a chunk's choice as the gateway's types.
+
 Raises (while iterating): ``UpstreamError`` (502) when the upstream sends an error event (``{"error":
 ...}``), data that is not a JSON object, goes silent past its read timeout, or breaks the connection.
 """
@@ -13,14 +15,17 @@ Raises (while iterating): ``UpstreamError`` (502) when the upstream sends an err
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import msgspec
 
+from gateway.generation.events import FinishReason
+from gateway.tools.parser import ToolCallDelta
 from gateway.upstream.errors import UpstreamError
 
 _MAX_EVENT_BYTES = 4 * 1024 * 1024  # one SSE event; beyond it the upstream is broken
+_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 
 
 def _decoded(data: str) -> dict[str, Any]:
@@ -90,3 +95,30 @@ async def chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         raise UpstreamError("The upstream model server went silent past its read timeout.") from None
     except httpx.HTTPError:
         raise UpstreamError("The upstream model server broke off the answer.") from None
+
+
+def finish_reason(value: object) -> FinishReason:
+    """An upstream ``finish_reason`` as one of the gateway's ("function_call" -> "tool_calls"; unknown ->
+    "stop")."""
+    if value == "function_call":
+        return "tool_calls"
+    return value if isinstance(value, str) and value in _REASONS else "stop"  # type: ignore[return-value]
+
+
+def tool_call_pieces(raw: object) -> list[ToolCallDelta]:
+    """``delta.tool_calls`` pieces (OpenAI chunk shape) as ``ToolCallDelta``s; malformed entries dropped."""
+    out: list[ToolCallDelta] = []
+    for c in raw if isinstance(raw, list) else []:
+        if not isinstance(c, dict) or not isinstance(c.get("index", 0), int):
+            continue
+        fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+        name, args = fn.get("name"), fn.get("arguments")
+        out.append(
+            ToolCallDelta(
+                index=c.get("index", 0),
+                id=c["id"] if isinstance(c.get("id"), str) else None,
+                name=name if isinstance(name, str) else None,
+                arguments=args if isinstance(args, str) else "",
+            )
+        )
+    return out
