@@ -13,7 +13,9 @@ last); a 5xx, a 3xx (never followed), a read timeout or a broken answer before t
 URL (502 ``UpstreamError`` after the last, which wins over 503); a 4xx -> no failover (the request is what
 the upstream refused): ``errors.refused`` (the same status and message; 429 with its ``retry-after``).
 
-The API key goes in the ``Authorization`` header only; logs name a URL by scheme, host and port.
+The API key goes in the ``Authorization`` header only; logs name a URL by scheme, host and port. https URLs
+are verified against the system's CAs or ``ca_file``; httpx's standard ``HTTP(S)_PROXY`` / ``NO_PROXY``
+environment variables apply.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class UpstreamClient:
             timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
             follow_redirects=False,
+            verify=config.tls(),
         )
         self.in_flight = 0
 

@@ -12,6 +12,7 @@ Built from a ``[[models]]`` table (``gateway.sections.ModelSettings``): the kind
     upstream_model = "meta-llama/Llama-3.1-8B-Instruct"              # default: the served name
     api_key_env = "BIG_API_KEY"           # or api_key_file = "/run/secrets/big"; never logged
     send = "messages"                     # or "prompt": the gateway templates, /v1/completions
+    ca_file = "/etc/ssl/internal-ca.pem"  # optional: https URLs verified with it (default: system CAs)
     prompt_as = "ids"                     # send = "prompt": token ids (default) or "text"
 
 Units: seconds for timeouts, tokens for ``context_length``, tokens per character for ``tokens_per_char``. Errors: ``UpstreamConfigError``
@@ -21,6 +22,7 @@ Units: seconds for timeouts, tokens for ``context_length``, tokens per character
 from __future__ import annotations
 
 import os
+import ssl
 from typing import Annotated, Literal
 
 import httpx
@@ -72,6 +74,15 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     tokens_per_char: Annotated[
         float, _meta("tokens reserved per prompt character without a tokenizer", gt=0)
     ] = TOKENS_PER_CHAR
+    ca_file: Annotated[str | None, _meta("CA certificates (PEM) https URLs are verified with")] = None
+
+    def tls(self) -> ssl.SSLContext:
+        """The TLS context of https URLs: the system's CAs, or ``ca_file``'s. Raises ``UpstreamConfigError``
+        when ``ca_file`` cannot be read or holds no certificate."""
+        try:
+            return ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise UpstreamConfigError(f"cannot load ca_file {self.ca_file}: {exc}") from None
 
     def check(self) -> None:
         """Raises ``UpstreamConfigError`` unless every URL is an absolute http(s) URL and the key source
@@ -88,6 +99,7 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
         if self.send == "prompt" and self.tokenizer is None:
             raise UpstreamConfigError('send = "prompt" needs a tokenizer (its chat template)')
         self.api_key()
+        self.tls()
 
     def api_key(self) -> str | None:
         """The upstream's API key: from ``api_key_env``, else ``api_key_file`` (stripped), else None.

@@ -11,7 +11,9 @@ is a second gateway (``start_gateway``, no backend of its own) serving only upst
 * ``up-prompt``: the upstream's model with ``send = "prompt"`` (the front renders the chat template of the
   default model's tokenizer and calls /v1/completions);
 * ``scripted``: a scripted OpenAI-compatible server in this process (``Scripted``: tool calls, an answer
-  without usage, one that breaks off, a 500), and ``fail-then-up``: it first, then the real upstream.
+  without usage, one that breaks off, a 500), and ``fail-then-up``: it first, then the real upstream;
+* ``scripted-tls``: the same server over https with a self-signed certificate given as ``ca_file``, and
+  ``scripted-tls-untrusted``: without it.
 
 Checked: chat with the official openai client, streamed and not, the same greedy text as the upstream
 itself; usage in the front's ledger (admin usage API) as the upstream counted it; the front's tenant limits
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +39,7 @@ import httpx
 import openai
 import pytest
 from plugins.gateway_server import GatewayProc, free_port, start_gateway
+from plugins.redis_server import self_signed
 from test_filters_http import new_tenant
 
 from backend.model_path import default_model_path
@@ -120,6 +124,14 @@ def front(gateway):
     scripted.bodies, scripted.request_ids = [], []  # type: ignore[attr-defined]
     threading.Thread(target=scripted.serve_forever, daemon=True).start()
     fake = f"http://127.0.0.1:{scripted.server_address[1]}/v1"
+    tls = self_signed(Path(gateway.tmpdir))
+    secure = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    secure.bodies, secure.request_ids = [], []  # type: ignore[attr-defined]
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    secure.socket = ctx.wrap_socket(secure.socket, server_side=True)
+    threading.Thread(target=secure.serve_forever, daemon=True).start()
+    https = f"https://127.0.0.1:{secure.server_address[1]}/v1"
 
     def model(name: str, urls: list[str], key_env: str) -> str:
         quoted = ", ".join(f'"{u}"' for u in urls)
@@ -138,6 +150,9 @@ def front(gateway):
         + f'send = "prompt"\ntokenizer = "{default_model_path()}"\n\n'
         + model("scripted", [fake], "UP_KEY")
         + model("fail-then-up", [fake, real], "UP_KEY")
+        + model("scripted-tls", [https], "UP_KEY")
+        + f'ca_file = "{tls.cert}"\n\n'
+        + model("scripted-tls-untrusted", [https], "UP_KEY")
     )
     env = {"UP_KEY": gateway.api_key, "UP_LIMITED_KEY": limited_key}
     gp = start_gateway("--config", str(cfg), env=env, dtype=None)
@@ -149,6 +164,7 @@ def front(gateway):
     finally:
         gp.stop()
         scripted.shutdown()
+        secure.shutdown()
 
 
 def _client(gp: GatewayProc, key: str | None = None) -> openai.OpenAI:
@@ -358,3 +374,11 @@ def test_send_prompt_renders_here_and_gives_the_same_answer(front):
     r = _chat(_client(front), "up-prompt", n=5)
     assert r.choices[0].message.content == direct.choices[0].message.content
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (direct.usage.prompt_tokens, 5)
+
+
+def test_https_upstream_verified_with_its_ca_file(front):
+    r = _ask(_client(front), "scripted-tls", "no usage")
+    assert r.choices[0].message.content == "Hello there"
+    with pytest.raises(openai.APIStatusError) as e:  # the system's CAs do not know the certificate
+        _ask(_client(front), "scripted-tls-untrusted", "no usage")
+    assert e.value.status_code == 503 and e.value.body["code"] == "upstream_unavailable"
