@@ -71,6 +71,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     upstream: Callable[[EventSink], Awaitable[None]] | None = None
 
     @property
+    def served_name(self) -> str:
+        """The served name of the model (an alias resolved): the name limits, billing and metrics key on."""
+        return self.served.name if self.served is not None else self.model
+
+    @property
     def tenant_id(self) -> str:
         """The tenant's id, "" without tenancy (also the prefix-cache salt: tenants never share KV)."""
         return self.principal.tenant_id if self.principal is not None else ""

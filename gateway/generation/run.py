@@ -153,7 +153,7 @@ class _Run:
     def _admission(self) -> AbstractAsyncContextManager[Reservation | None]:
         req = self.req
         admit = self.gw.admission(
-            req.principal, len(req.prompt_ids), req.sampling.max_tokens * req.sampling.n, req.model
+            req.principal, len(req.prompt_ids), req.sampling.max_tokens * req.sampling.n, req.served_name
         )
         return admit(req.request_id) if admit is not None else _no_admission()
 
@@ -346,7 +346,7 @@ class _Run:
                 finish_reason=ended.reason,
                 status=ended.status,
                 timings=secs,
-                model=self.req.model,
+                model=self.req.served_name,
                 **({} if ended.submitted else {"prompt_tokens": 0}),
             )
         except Exception:  # noqa: BLE001 - billing bookkeeping must not break the response

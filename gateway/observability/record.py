@@ -236,12 +236,8 @@ class RecordObserver:
 
     def __init__(self, record: RequestRecord, req: GenerationRequest) -> None:
         self.record = record
-        served = req.served.name if req.served is not None else None
-        record.api, record.model, record.stream = (
-            req.api,
-            served or req.model,
-            req.stream,
-        )  # an alias: its model
+        record.api, record.stream = req.api, req.stream
+        record.model = req.served_name  # an alias: its model's served name
         record.tenant = req.tenant_id or None
         record.set_prompt(req.prompt_log)  # kept only with --log-content
 

@@ -13,7 +13,8 @@ One gateway for the module, declared by a TOML ``[[models]]`` config: the defaul
   (``smol-f32``'s ``chat_template`` file has no default system turn: a shorter prompt);
 * ``/v1/models`` and ``/api/tags`` list both models and their aliases; ``/v1/models/{id}`` answers an alias;
 * an unknown model is a 404 ``model_not_found`` (``openai.NotFoundError``), and so is a model the tenant
-  may not use (a tenant whose ``models`` lists only ``smol-f32``), which its listings leave out;
+  may not use (a tenant whose ``models`` lists only ``smol-f32``), which its listings leave out; a request
+  by alias counts against the served model's limit, and metrics label it with the served name;
 * the ``--serve-model`` flag's syntax and the settings errors of model declarations (no gateway).
 """
 
@@ -168,7 +169,11 @@ def test_a_tenant_sees_and_uses_only_its_models(two_models):
     admin = gp.admin_headers()
     r = httpx.post(
         gp.base_url + "/admin/v1/tenants",
-        json={"name": "f32-only-" + os.urandom(4).hex(), "models": ["smol-f32"]},
+        json={
+            "name": "f32-only-" + os.urandom(4).hex(),
+            "models": ["smol-f32"],
+            "model_limits": {"smol-f32": {"rpm": 1}},
+        },
         headers=admin,
         timeout=30,
     )
@@ -190,6 +195,13 @@ def test_a_tenant_sees_and_uses_only_its_models(two_models):
         model="smol-exact", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
     )
     assert r.usage.completion_tokens == 1
+    # the alias counted against the served model's limit (1 request a minute): no way around it by name
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(
+            model="smol-f32", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+        )
+    metrics = httpx.get(gp.base_url + "/metrics", timeout=30).text  # labels: served names, not aliases
+    assert 'model_name="smol-f32"' in metrics and 'model_name="smol-exact"' not in metrics
     tags = httpx.get(
         gp.base_url + "/api/tags", headers={"Authorization": f"Bearer {client.api_key}"}, timeout=30
     )
