@@ -214,6 +214,11 @@ class _UpstreamRun:
                     await send.send(chunk)
             except APIError as exc:
                 await send.send(_Failed(exc))
+            except Exception:  # noqa: BLE001 - whatever an odd answer trips: a 502, never a 500
+                log.exception("model %s: unreadable answer", self.model.name)
+                await send.send(
+                    _Failed(UpstreamError("The upstream model server sent an unreadable answer."))
+                )
 
     async def _next(self, recv: trio.MemoryReceiveChannel[Any]) -> dict[str, Any] | None | Heartbeat:
         """The next chunk, None at the end, or a ``Heartbeat`` after ``sse_heartbeat`` of silence.
@@ -243,7 +248,13 @@ class _UpstreamRun:
                     raise UpstreamError("The upstream model server ended the answer without finishing it.")
                 return
             else:
-                await self._chunk(item)
+                try:
+                    await self._chunk(item)
+                except (TypeError, ValueError, KeyError, AttributeError):  # a chunk of an unexpected shape
+                    log.exception("model %s: a chunk of an unexpected shape", self.model.name)
+                    raise UpstreamError(
+                        "The upstream model server sent a chunk of an unexpected shape."
+                    ) from None
                 if self.open == 0 and (
                     self.usage is not None or not all(c.upstream_finished for c in self.choices)
                 ):
