@@ -28,8 +28,13 @@ import openai
 import pytest
 from plugins.gateway_server import GatewayProc, start_gateway
 
+from auth.principal import Principal
+from backend.protocol import ModelCard
+from gateway.catalog import ModelCatalog, ServedModel
+from gateway.errors import NotFound
 from gateway.options import model_engine
 from gateway.settings import SettingsError, load_settings
+from ratelimit.core import Limits
 
 F32_BLOCKS = 48
 F32_CONTEXT = 512
@@ -206,6 +211,45 @@ def test_a_tenant_sees_and_uses_only_its_models(two_models):
         gp.base_url + "/api/tags", headers={"Authorization": f"Bearer {client.api_key}"}, timeout=30
     )
     assert [m["name"] for m in tags.json()["models"]] == ["smol-f32", "smol-exact"]
+
+
+# ----------------------------------------------------------------------------- the catalog (no gateway)
+
+
+class _Pool:
+    """What the catalog reads of a ``BackendPool``: the card, readiness, the drain flag."""
+
+    def __init__(self, name: str | None) -> None:
+        self.card = ModelCard(name=name, context_length=2048) if name else None
+        self.draining = False
+
+    def is_ready(self) -> bool:
+        return self.card is not None and not self.draining
+
+
+def _principal(*models: str) -> Principal:
+    return Principal("tn_1", "t", "key_1", "sk-gw-x", Limits(), models=models)
+
+
+def test_catalog_resolves_names_aliases_and_the_tenants_models():
+    default = ServedModel(None, pool=_Pool(None), aliases=["smol"])  # type: ignore[arg-type]
+    other = ServedModel("b", pool=_Pool("B.gguf"), aliases=["b1"], context_length=512)  # type: ignore[arg-type]
+    catalog = ModelCatalog([default, other])
+    assert default.names == ("smol",) and not catalog.is_ready()  # no card yet: named by its aliases only
+    default.pool.card = ModelCard(name="SmolLM2", context_length=8192)  # type: ignore[union-attr]
+    assert default.names == ("SmolLM2", "smol") and catalog.is_ready()
+    assert [n for _, n in catalog.listing(None)] == ["SmolLM2", "smol", "b", "b1"]
+    assert catalog.resolve("b1", None) is other and other.context_length == 512
+    assert catalog.resolve("b1", _principal("b")) is other  # allowed by its served name: every alias too
+    with pytest.raises(NotFound) as exc:
+        catalog.resolve("smol", _principal("b1"))
+    assert exc.value.code == "model_not_found" and exc.value.message.endswith("Available: b, b1.")
+    with pytest.raises(NotFound):
+        catalog.resolve("SMOL", None)  # names are exact
+    catalog.draining = True
+    assert not catalog.is_ready() and all(p.draining for p in catalog.pools)
+    with pytest.raises(ValueError, match="'b1' is used by both"):
+        ModelCatalog([other, ServedModel("c", pool=_Pool("C"), aliases=["b1"])])  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- declarations (no gateway)
