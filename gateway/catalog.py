@@ -14,7 +14,9 @@ Kinds (``ServedModel.kind``):
 
 Adding a model of another kind: build a ``ServedModel(name, kind=..., upstream=obj, aliases=...)`` with an
 object that meets ``UpstreamModel`` and hand it to ``ModelCatalog``; the catalog lists it, resolves its names
-and calls ``aclose()`` once at shutdown (``ModelCatalog.aclose``).
+and calls ``aclose()`` once at shutdown (``ModelCatalog.aclose``). Declared by ``[[models]]`` /
+``--serve-model`` (``gateway.sections.ModelSettings``, its kind's own keys in ``ModelSettings.upstream``) and
+built at start by ``gateway.launch.served_model``.
 
 Errors (``gateway.errors``)::
 
@@ -27,7 +29,7 @@ Errors (``gateway.errors``)::
             ServedModel.text() / .grammars: a model without a tokenizer in this gateway
 
 Names: a model's served name comes first, then its aliases (vLLM's ``--served-model-name`` lists them the
-same way in ``/v1/models``). The default model declared by the single-model flags (``--model``,
+same way in ``/v1/models``; an unknown model is OpenAI's 404 ``model_not_found``). The default model declared by the single-model flags (``--model``,
 ``--served-model-name``) has no fixed name: it is the backend's model card name, read on each call, with the
 ``[http] served_model_name`` entries as aliases.
 """
@@ -122,6 +124,16 @@ class ServedModel:
             return self._name
         card = self.pool.card if self.pool is not None else None
         return card.name if card is not None else ""
+
+    @property
+    def named_by_card(self) -> bool:
+        """True for the default model of the single-model flags: its served name is its card's."""
+        return self._name is None
+
+    @property
+    def declared_names(self) -> tuple[str, ...]:
+        """The names fixed at declaration: the served name (unless named by the card), then the aliases."""
+        return tuple(n for n in (self._name, *self.aliases) if n)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -230,6 +242,11 @@ class ModelCatalog:
                 if n in seen and seen[n] != m.name:
                     raise ValueError(f"the model name {n!r} is used by both {seen[n]!r} and {m.name!r}")
                 seen[n] = m.name
+        self._fixed: dict[str, ServedModel] = {}  # declared names and aliases -> model (a dict lookup)
+        for m in self.models:
+            for n in m.declared_names:
+                self._fixed.setdefault(n, m)
+        self._named_by_card = [m for m in self.models if m.named_by_card]
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self.models)
@@ -249,8 +266,11 @@ class ModelCatalog:
 
     def find(self, model: str) -> ServedModel | None:
         """The model with served name or alias ``model`` (exact, case-sensitive), or None."""
-        for m in self.models:
-            if model in m.names:
+        m = self._fixed.get(model)
+        if m is not None:
+            return m
+        for m in self._named_by_card:  # the default model of the single-model flags: its card's name
+            if m.name == model:
                 return m
         return None
 
