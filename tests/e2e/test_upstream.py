@@ -171,9 +171,9 @@ def _client(gp: GatewayProc, key: str | None = None) -> openai.OpenAI:
     return openai.OpenAI(base_url=gp.base_url + "/v1", api_key=key or gp.api_key, max_retries=0, timeout=120)
 
 
-def _chat(client: openai.OpenAI, model: str, n: int = 6, **kw):
+def _chat(client: openai.OpenAI, model: str, tokens: int = 6, **kw):
     return client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": COUNT}], max_tokens=n, temperature=0, **kw
+        model=model, messages=[{"role": "user", "content": COUNT}], max_tokens=tokens, temperature=0, **kw
     )
 
 
@@ -196,7 +196,7 @@ def test_chat_streamed_and_not_is_the_upstreams_text(front):
 
 def test_usage_is_in_the_front_ledger(front):
     tid, key = _tenant(front)
-    r = _chat(_client(front, key), "up", n=4)
+    r = _chat(_client(front, key), "up", tokens=4)
     deadline = time.monotonic() + 10
     while True:
         u = httpx.get(
@@ -211,9 +211,9 @@ def test_usage_is_in_the_front_ledger(front):
 
 def test_front_tenant_limits(front):
     _, key = _tenant(front, limits={"rpm": 1})
-    _chat(_client(front, key), "up", n=1)
+    _chat(_client(front, key), "up", tokens=1)
     with pytest.raises(openai.RateLimitError) as e:
-        _chat(_client(front, key), "up", n=1)
+        _chat(_client(front, key), "up", tokens=1)
     assert e.value.body["code"] == "rate_limit_exceeded"
 
 
@@ -222,7 +222,7 @@ def test_upstream_429_keeps_its_retry_after(front):
     statuses, last = [], None
     for _ in range(2):  # the upstream tenant allows one request a minute
         try:
-            _chat(client, "up-limited", n=1)
+            _chat(client, "up-limited", tokens=1)
             statuses.append(200)
         except openai.RateLimitError as exc:
             statuses.append(429)
@@ -241,7 +241,7 @@ def test_upstream_400_keeps_status_and_param(front):
 
 def test_streaming_output_filter_cuts_the_upstream_text(front):
     _, key = _tenant(front, filters=CUT_AT_THREE)
-    chunks = list(_chat(_client(front, key), "up", n=40, stream=True))
+    chunks = list(_chat(_client(front, key), "up", tokens=40, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "1" in text and "3" not in text
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
@@ -276,10 +276,10 @@ def test_client_leaving_mid_stream_closes_the_upstream_request(front):
 def test_unreachable_upstream_fails_fast_and_failover_serves(front):
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as e:
-        _chat(_client(front), "down", n=1)
+        _chat(_client(front), "down", tokens=1)
     assert time.monotonic() - t0 < 3.0
     assert e.value.status_code == 503 and e.value.body["code"] == "upstream_unavailable"
-    r = _chat(_client(front), "failover", n=2)
+    r = _chat(_client(front), "failover", tokens=2)
     assert r.choices[0].message.content and r.usage.completion_tokens == 2
 
 
@@ -352,7 +352,9 @@ def test_upstream_5xx_fails_over_and_alone_is_a_502(front):
     with pytest.raises(openai.APIStatusError) as e:
         _ask(_client(front), "scripted", "fail")
     assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error"
-    r = _chat(_client(front), "fail-then-up", n=2)  # COUNT is not scripted: a 500, then the real upstream
+    r = _chat(
+        _client(front), "fail-then-up", tokens=2
+    )  # COUNT is not scripted: a 500, then the real upstream
     assert r.choices[0].message.content and r.usage.completion_tokens == 2
 
 
@@ -370,8 +372,8 @@ def test_legacy_completions_pass_through(front):
 
 def test_send_prompt_renders_here_and_gives_the_same_answer(front):
     up = front.extra["upstream"]
-    direct = _chat(up.openai(), up.model, n=5)
-    r = _chat(_client(front), "up-prompt", n=5)
+    direct = _chat(up.openai(), up.model, tokens=5)
+    r = _chat(_client(front), "up-prompt", tokens=5)
     assert r.choices[0].message.content == direct.choices[0].message.content
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (direct.usage.prompt_tokens, 5)
 
@@ -382,3 +384,10 @@ def test_https_upstream_verified_with_its_ca_file(front):
     with pytest.raises(openai.APIStatusError) as e:  # the system's CAs do not know the certificate
         _ask(_client(front), "scripted-tls-untrusted", "no usage")
     assert e.value.status_code == 503 and e.value.body["code"] == "upstream_unavailable"
+
+
+def test_several_choices(front):
+    r = _chat(_client(front), "up", 3, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy: the same text twice
+    assert [c.finish_reason for c in r.choices] == ["length", "length"] and r.usage.completion_tokens == 6
