@@ -85,12 +85,16 @@ def convert(value: object, annotation: Any, source: str, *, strict: bool) -> Any
 
 _MODEL_FIELDS = frozenset(f.name for f in msgspec.structs.fields(ModelSettings))
 _MODEL_LISTS = {"alias": "aliases", "aliases": "aliases", "backend_url": "backend_url"}
+_MODEL_LISTS |= {
+    "url": "urls",
+    "urls": "urls",
+}  # an openai model's upstream URLs (gateway/upstream/config.py)
 
 
 def parse_model_spec(text: str, source: str) -> dict[str, Any]:
     """One ``--serve-model`` value (``name=a,path=/m.gguf,dtype=float32,alias=b,alias=c``) as a
-    ``[[models]]`` table: ``alias``/``backend_url`` repeat into lists, engine options go to ``engine``, any
-    other key is kept for ``_model_table`` to place. Raises ``SettingsError`` naming ``source``."""
+    ``[[models]]`` table: ``alias``, ``backend_url`` and ``url`` (``urls``) repeat into lists, engine options
+    go to ``engine``, any other key is kept for ``model_table`` to place. Raises ``SettingsError`` naming ``source``."""
     table: dict[str, Any] = {}
     for part in text.split(","):
         key, eq, value = part.partition("=")

@@ -79,7 +79,8 @@ SOURCES = (
 SERVE_MODEL_HELP = (
     "declare one served model (repeat for several; replaces the config file's [[models]]): KEY=VALUE pairs "
     "split at commas, the keys of a [[models]] table (name, path, kind, replicas, dtype, kv_cache_memory, "
-    "num_kv_blocks, tokenizer, chat_template, context_length; alias and backend_url repeat) or any engine "
+    "num_kv_blocks, tokenizer, chat_template, context_length; alias, backend_url and url repeat; the keys of "
+    "another kind, e.g. kind=openai,url=...) or any engine "
     "option by name, e.g. 'name=smol-f32,path=/m/smol.gguf,dtype=float32,replicas=1,alias=smol'"
 )
 __all__ = [

@@ -265,10 +265,12 @@ def test_serve_model_flag_declares_models():
             "name=a,alias=a1,alias=a2,replicas=2,max_num_seqs=8,kv_cache_memory=64MiB",
             "--serve-model",
             "name=b,path=/m/b.gguf,context_length=256,backend_url=unix:/tmp/b.sock",
+            "--serve-model",
+            "name=c,kind=openai,url=http://10.0.0.5:8000/v1,url=http://10.0.0.6:8000/v1,send=prompt",
         ],
         {},
     )
-    a, b = settings.models
+    a, b, c = settings.models
     assert (a.name, a.aliases, a.replicas, a.path) == ("a", ["a1", "a2"], 2, None)
     # [engine] for every spawned backend; the model's own KV size replaces [engine]'s
     assert model_engine(settings.engine, a) == {
@@ -277,6 +279,8 @@ def test_serve_model_flag_declares_models():
         "kv_cache_memory": "64MiB",
     }
     assert (b.path, b.context_length, b.backend_url) == ("/m/b.gguf", 256, ["unix:/tmp/b.sock"])
+    # another kind's own keys are kept for it (gateway/upstream/), url repeated into its list
+    assert c.upstream == {"urls": ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"], "send": "prompt"}
 
 
 @pytest.mark.parametrize(
