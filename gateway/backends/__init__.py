@@ -7,5 +7,6 @@
   load-error line kept);
 - ``supervisor.BackendSupervisor``: spawns or connects one backend, restarts it with backoff, marks the model
   unavailable after repeated failures; a first start that cannot load the model is fatal;
-- ``pool.BackendPool``: all supervisors; picks the least-loaded ready backend per request.
+- ``pool.BackendPool``: one model's supervisors; picks a ready, undrained backend per request by the routing
+  policy of ``routing`` (prefix-aware rendezvous hashing with a load bound, or least-loaded); operator drains.
 """
