@@ -199,7 +199,11 @@ async def run(args) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         if not args.model:
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-            r = await client.get(args.base_url.rstrip("/") + "/v1/models", headers=headers)
+            for _ in range(120):  # a server still loading its model answers 503 for a while
+                r = await client.get(args.base_url.rstrip("/") + "/v1/models", headers=headers)
+                if r.status_code == 200:
+                    break
+                await trio.sleep(0.5)
             data = r.json()
             args.model = (data.get("data") or data.get("models"))[0].get("id") or "default"
         rng = random.Random(args.seed)
