@@ -15,7 +15,9 @@ printed (``-s``).
 
 from __future__ import annotations
 
+import importlib.util
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,12 +26,23 @@ import trio
 from plugins.gateway_server import GatewayProc
 
 from backend.protocol import SamplingParams, Stats, Submit
-from bench.routing import workload
 from gateway.backends.pool import BackendPool
 from gateway.backends.routing import Router, RoutingConfig
 from gateway.backends.supervisor import BackendSupervisor, SpawnSpec
 from templating import ChatTemplate, cached_tokenizer
 
+
+def _bench_module():
+    """bench/routing.py, loaded by its path (bench/ is scripts, not an installed package)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "routing.py"
+    spec = importlib.util.spec_from_file_location("bench_routing", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+workload = _bench_module().workload
 CAP_BLOCKS = 176  # per capped replica: ~4.6 of the 8 prompts (38 full blocks each)
 IN_FLIGHT = 4
 
