@@ -53,11 +53,13 @@ KINDS: tuple[Kind, ...] = ("native", "openai")
 @runtime_checkable
 class UpstreamModel(Protocol):
     """A model served by something other than this gateway's backends (kind ``openai``: an OpenAI-compatible
-    server). The catalog reads ``name`` and ``aliases`` when it is built and calls ``aclose()`` once at
-    shutdown (cancel-shielded by the caller; it must return within a few seconds)."""
+    server). The catalog reads ``name``, ``aliases`` and ``context_length`` (tokens a request may use) when it
+    is built and calls ``aclose()`` once at shutdown (cancel-shielded by the caller; it must return within a
+    few seconds)."""
 
     name: str
     aliases: tuple[str, ...]
+    context_length: int
 
     async def aclose(self) -> None: ...
 

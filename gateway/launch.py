@@ -111,7 +111,7 @@ async def served_model(
             kind=declared.kind,  # type: ignore[arg-type]  # checked by ModelSettings
             aliases=declared.aliases,
             upstream=upstream,
-            context_length=declared.context_length,
+            context_length=upstream.context_length,
             **limits,  # type: ignore[arg-type]
         )
     card = pool.card if pool is not None else None

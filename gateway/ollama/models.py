@@ -23,14 +23,16 @@ NEVER = "9999-12-31T23:59:59Z"  # /api/ps expires_at: the served model is never 
 
 
 def details(card: ModelCard) -> dict[str, Any]:
-    """Ollama's ``details`` object: format (gguf or safetensors), family, quantization level."""
+    """Ollama's ``details`` object: format (gguf or safetensors), family, quantization level. A card without
+    a model file (an upstream model's) has neither format nor quantization: both are empty."""
+    path = card.model_path
     return {
         "parent_model": "",
-        "format": "gguf" if card.model_path.endswith(".gguf") else "safetensors",
+        "format": ("gguf" if path.endswith(".gguf") else "safetensors") if path else "",
         "family": card.architecture,
         "families": [card.architecture],
         "parameter_size": "",
-        "quantization_level": card.quantization or card.dtype,
+        "quantization_level": (card.quantization or card.dtype) if path else "",
     }
 
 

@@ -294,6 +294,9 @@ def test_ollama_chat_for_an_upstream_model(front):
     )
     assert r.message.content and r.done_reason == "length"
     assert r.eval_count == 4
+    shown = c.show("up")  # no model file here: no format or quantization; the upstream's context length
+    assert shown.details.format == "" and shown.details.quantization_level == ""
+    assert shown.modelinfo["openai.context_length"] == 8192
 
 
 def _ask(client: openai.OpenAI, model: str, said: str, **kw):
