@@ -1,5 +1,5 @@
-"""C++ CPU kernels, built on first use with ``torch.utils.cpp_extension``: paged decode attention and
-the llama layer's fused element-wise ops.
+"""C++ CPU kernels, built on first use with ``torch.utils.cpp_extension``: paged attention (decode and
+prefill rows in one kernel) and the llama layer's fused element-wise ops, batch invariant on AVX-512.
 
 ``paged_decode`` reads each decode sequence's keys and values in place from the block pool
 through its block table (the torch reference first gathers them into a dense copy), computes
@@ -81,7 +81,11 @@ def load():
     """The compiled extension module, or None if unavailable; built once per process.
 
     Its functions (all CPU tensors; errors are ``RuntimeError`` from ``TORCH_CHECK``):
-    ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)`` (see ``paged_decode`` below);
+    ``paged_attention(q [R, nh, hd] f32, k_cache, v_cache, block_tables [B, W] i32, row_seq [R] i32 | None,
+    row_lens [R] i32, scale) -> [R, nh, hd]`` (query row ``r`` attends to keys ``[0, row_lens[r])`` of
+    block-table row ``row_seq[r]``, row ``r`` when None: decode and prefill rows alike, each row's result
+    independent of the others; docs/kernels.md); ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
+    scale)`` (one query per sequence; see ``paged_decode`` below);
     ``add_rms_norm(x [T, H] f32, delta [T, H] f32/bf16 | None, w [H] f32, eps, out_bf16) -> [T, H]``
     (``x += delta`` in place, then ``w * x / sqrt(mean(x^2) + eps)``; HF ``LlamaRMSNorm``);
     ``silu_mul(gu [N, 2I]) -> [N, I]`` (``silu(gate) * up``, float32 math, one rounding);

@@ -1,4 +1,10 @@
-"""Reference paged attention in plain torch (CPU and CUDA), vectorized over the batch.
+"""Paged attention on CPU through the C++ kernel, and a reference in plain torch (CPU and CUDA).
+
+On CPU with a float32 or bfloat16 cache and the extension built, every query row, decode or prefill,
+goes to ``cpu_kernels.paged_attention`` (one kernel: each row attends to its own sequence's keys up to
+its position, in position order, so its result does not depend on the batch; docs/kernels.md,
+"CPU kernels and batch invariance"). The torch paths below serve CUDA, a float16 cache and a CPU
+without the extension:
 
 - ``write_kv``: one ``index_copy_`` of the step's new K/V into the flattened cache
   (``[num_blocks * block_size, nkv, hd]``) at ``meta.slot_mapping``.
