@@ -107,14 +107,18 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
             "--no-prefix-caching", action="store_true", help="disable automatic prefix caching"
         ),
         parser.add_argument(
-            "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+            "--threads",
+            type=int,
+            default=None,
+            help="torch CPU threads, fixed (default on CPU: all cores while the machine is free, one while "
+            "other processes hold the cores)",
         ),
         parser.add_argument(
             "--omp-wait-policy",
             default=None,
             choices=["passive", "active"],
-            help="how idle OpenMP threads wait: passive (sleep at once; default unless OMP_WAIT_POLICY or "
-            "GOMP_SPINCOUNT is set) or active (spin); passive keeps a busy machine from stalling every step",
+            help="how idle OpenMP threads wait: passive (sleep at once) or active (spin) (default: libgomp's spin, "
+            "or OMP_WAIT_POLICY/GOMP_SPINCOUNT from the environment)",
         ),
         parser.add_argument(
             "--itl-target-ms",
@@ -211,7 +215,7 @@ def load_reason(model: str, exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the backend until Shutdown or a signal; the exit statuses are in the module docstring."""
     args = build_parser().parse_args(argv)
-    from backend.allocator import openmp_wait_policy
+    from backend.allocator import ThreadGovernor, openmp_wait_policy
 
     openmp_wait_policy(os.environ, args.omp_wait_policy)  # before anything imports torch
     from backend.protocol import EXIT_MODEL_LOAD_FAILED, SECRET_ENV, load_error_line
@@ -231,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    governor = None
+    if not args.threads and args.device == "cpu" and torch.get_num_threads() > 1:
+        governor = ThreadGovernor(torch.set_num_threads, torch.get_num_threads())
     from backend.engine import Engine
     from backend.model_runner import ModelRunner
 
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             itl_target_ms=args.itl_target_ms,
+            threads=governor,
         )
     except Exception as exc:  # noqa: BLE001 - any load failure is reported as one line and a status
         name = model or "(default model)"

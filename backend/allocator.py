@@ -11,12 +11,15 @@ step with 50 s of system time in a 74 s run; with the settings below 220 ms and 
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` environment variables,
 which only apply to a process started with them).
 
-``openmp_wait_policy`` picks how torch's OpenMP threads (libgomp) wait between parallel regions. libgomp's
-default spins for a while before sleeping; on a machine whose cores are busy with other processes the
-spinning threads take time slices from the thread holding the work, so a step waits for a spinner to be
-descheduled. Measured on the 2-core VM with two busy-loop processes beside one bf16 stream (64 tokens):
-7.1 tok/s spinning (default) vs 23.9 tok/s with ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep at once), and
-4.6 vs 1.1 CPU-seconds. libgomp reads the variables when it loads, so this runs before torch is imported.
+``ThreadGovernor`` keeps torch's OpenMP threads from collapsing a step on a machine whose cores other
+processes also use. libgomp's threads spin between parallel regions (its default wait policy); on free
+cores that is the fast choice (no futex wake-up per region), but when another process holds a core the
+spinning threads take the time slices the working thread needs. Measured on the 2-core VM, one stream with
+two busy-loop processes beside it: float32 0.7 tok/s spinning on 2 threads (29 CPU-seconds for 64 tokens)
+against 28.6 on free cores; ``OMP_WAIT_POLICY=PASSIVE`` does not collapse (13.3) but halves bf16 on free
+cores (52-64 vs 116-131 tok/s); the governor (one thread while the stepping thread waits on a run queue,
+all cores otherwise) kept bf16 at 116-130 tok/s on free cores and 43-47 beside the two busy loops.
+``openmp_wait_policy`` sets ``OMP_WAIT_POLICY`` from ``--omp-wait-policy`` before torch loads.
 
 Source followed: ``mallopt(3)`` (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD); the GNU libgomp manual
 (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``).
@@ -27,7 +30,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-from collections.abc import MutableMapping
+import time
+from collections.abc import Callable, MutableMapping
 
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
@@ -46,14 +50,12 @@ OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 def openmp_wait_policy(environ: MutableMapping[str, str], policy: str | None = None) -> str | None:
     """Set ``OMP_WAIT_POLICY`` in ``environ`` before torch loads; returns the value now in force (or None).
 
-    ``policy`` (``"passive"`` or ``"active"``, the ``--omp-wait-policy`` flag) is set as given. Without it,
-    ``PASSIVE`` is set unless one of ``OPENMP_WAIT_VARS`` is already in ``environ`` (the operator's choice
-    stands). No effect on an OpenMP runtime that is already loaded.
+    ``policy`` (``"passive"`` or ``"active"``, the ``--omp-wait-policy`` flag) is set as given; None leaves
+    ``environ`` as it is (libgomp's default, or what the operator put in ``OPENMP_WAIT_VARS``). No effect
+    on an OpenMP runtime that is already loaded.
     """
     if policy is not None:
         environ["OMP_WAIT_POLICY"] = policy.upper()
-    elif not any(v in environ for v in OPENMP_WAIT_VARS):
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return environ.get("OMP_WAIT_POLICY")
 
 
@@ -84,3 +86,74 @@ def tune_glibc_malloc() -> bool:
     )
     _done = ok
     return ok
+
+
+def main_thread_run_delay() -> float | None:
+    """Seconds the calling thread has waited on a run queue so far (``/proc/thread-self/schedstat``, field 2);
+    None where the kernel does not report it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class ThreadGovernor:
+    """Torch's intra-op thread count by contention, checked after every engine step (``tick``).
+
+    All ``max_threads`` while the stepping thread gets the CPU it asks for; one thread once it spent more
+    than ``contended`` of a ``window_s`` window waiting on a run queue (other processes hold the cores: a
+    team of spinning OpenMP threads would then take the slices the working thread needs). After
+    ``probe_s`` on one thread it tries ``max_threads`` again; a probe that finds the machine still busy
+    doubles the wait (up to 60 s), one that finds it free resets it. ``set_threads`` is
+    ``torch.set_num_threads``; ``run_delay`` and ``clock`` return seconds (injectable for tests).
+
+    Source followed: the kernel's ``Documentation/scheduler/sched-stats.rst`` (schedstat: run_delay).
+    """
+
+    def __init__(
+        self,
+        set_threads: Callable[[int], None],
+        max_threads: int,
+        *,
+        window_s: float = 0.5,
+        contended: float = 0.25,
+        probe_s: float = 5.0,
+        run_delay: Callable[[], float | None] = main_thread_run_delay,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.set_threads, self.max_threads = set_threads, max_threads
+        self.window_s, self.contended, self.probe_base = window_s, contended, probe_s
+        self.probe_s = probe_s
+        self.run_delay, self.clock = run_delay, clock
+        self.threads = max_threads
+        self.switches = 0
+        self._t0, self._d0 = clock(), run_delay()
+        self._since = self._t0  # when the current thread count was set
+        self._probing = False  # all threads again after a wait on one: not yet known to hold
+
+    def tick(self) -> None:
+        """Look at the last window (if one has passed) and change the thread count if it calls for it."""
+        now = self.clock()
+        if now - self._t0 < self.window_s or self._d0 is None or self.max_threads <= 1:
+            return
+        d = self.run_delay()
+        if d is None:
+            return
+        share = (d - self._d0) / (now - self._t0)
+        self._t0, self._d0 = now, d
+        if self.threads > 1 and share > self.contended:
+            if self._probing:  # the probe failed
+                self.probe_s = min(60.0, self.probe_s * 2)
+            self._set(1, now)
+        elif self.threads == 1 and now - self._since >= self.probe_s:
+            self._set(self.max_threads, now)
+            self._probing = True
+        elif self._probing:  # a whole window on all threads without contention: the probe held
+            self.probe_s, self._probing = self.probe_base, False
+
+    def _set(self, n: int, now: float) -> None:
+        self._probing = False
+        self.set_threads(n)
+        self.threads, self._since = n, now
+        self.switches += 1

@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 
 from backend import grammar as G
+from backend.allocator import ThreadGovernor
 from backend.batch import SeqChunk
 from backend.block_manager import BlockManager
 from backend.protocol import (
@@ -118,6 +119,8 @@ class Engine:
         itl_target_ms: inter-token latency the scheduler sizes the prefill of steps with decodes to
             (milliseconds; 0: off, every step may take the whole token budget). Each step's wall time
             feeds the scheduler's step-time model.
+        threads: adapts torch's thread count to the machine's contention after each step
+            (``backend.allocator.ThreadGovernor``); None: the count is left alone.
 
     Raises:
         ValueError: inconsistent limits.
@@ -134,6 +137,7 @@ class Engine:
         num_kv_blocks: int | None = None,
         grammar: G.GrammarCompiler | None = None,
         itl_target_ms: float = 0.0,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:
             raise ValueError(f"num_kv_blocks must be in [1, {runner.num_kv_blocks}]")
@@ -161,6 +165,7 @@ class Engine:
             itl_target_s=itl_target_ms / 1000.0,
         )
         self.requests: dict[str, EngineRequest] = {}
+        self.threads = threads
         self.grammar = grammar
         self.masks: G.MaskJob | None = None
         self.overlap_masks = str(self.card.device) != "cpu"
@@ -528,6 +533,8 @@ class Engine:
         t3 = time.perf_counter()
         self.step_overhead_s += (t1 - t0) + (t3 - t2)
         sched.observe(plan, t3 - t0)
+        if self.threads is not None:
+            self.threads.tick()
         return out
 
     @staticmethod
