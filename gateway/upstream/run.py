@@ -311,9 +311,12 @@ class _UpstreamRun:
 
     # ------------------------------------------------------------------ cleanup
     def _ended_by(self, exc: BaseException) -> Ended:
-        """499 for the client gone (``trio.Cancelled``), the status of an ``APIError``, else 500."""
+        """499 for the client gone (``trio.Cancelled``, alone or as the only kind in the group the reader's
+        nursery raises when the client leaves), the status of an ``APIError``, else 500."""
         if isinstance(exc, APIError):
             return self._ended(exc.status, exc)
+        if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None:
+            exc = exc.exceptions[0]
         if isinstance(exc, trio.Cancelled):
             return self._ended(499, abort="client_disconnect")
         return self._ended(500)

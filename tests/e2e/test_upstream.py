@@ -19,8 +19,8 @@ Checked: chat with the official openai client, streamed and not, the same greedy
 itself; usage in the front's ledger (admin usage API) as the upstream counted it; the front's tenant limits
 (429); an upstream 429 with its retry-after; an upstream 400 with its param; a streaming output filter
 cutting the upstream's text; a client leaving mid-stream closes the upstream request (the upstream's
-``running`` returns to 0); the Ollama API (/api/chat) for an upstream model; tool calls and the request's
-fields passed through; usage the upstream omits counted here and marked estimated in the ledger row; an
+``running`` returns to 0; the front's ledger row is a 499 "abort"); the Ollama API (/api/chat) for an
+upstream model; tool calls and the request's fields passed through; usage the upstream omits counted here and marked estimated in the ledger row; an
 answer broken off mid-stream as an SSE error event; a 5xx as 502, and failover past it; /v1/completions.
 """
 
@@ -252,6 +252,7 @@ def test_streaming_output_filter_cuts_the_upstream_text(front):
 def test_client_leaving_mid_stream_closes_the_upstream_request(front):
     up = front.extra["upstream"]
     aborts = up.stats()["aborts"]
+    tid, key = _tenant(front)
     body = {
         "model": "up",
         "messages": [{"role": "user", "content": COUNT}],
@@ -259,7 +260,11 @@ def test_client_leaving_mid_stream_closes_the_upstream_request(front):
         "stream": True,
     }
     with httpx.stream(
-        "POST", front.base_url + "/v1/chat/completions", json=body, headers=front.headers(), timeout=60
+        "POST",
+        front.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
     ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -271,6 +276,17 @@ def test_client_leaving_mid_stream_closes_the_upstream_request(front):
         time.sleep(0.05)
         st = up.stats()
     assert st["aborts"] > aborts and st["running"] == 0 and st["waiting"] == 0, st
+    rows: list = []  # the front's ledger: the client left (499, "abort"), not an error of the gateway
+    while time.monotonic() < deadline and not rows:
+        httpx.get(
+            front.base_url + f"/admin/v1/tenants/{tid}/usage", headers=front.admin_headers(), timeout=30
+        )
+        with sqlite3.connect(f"file:{Path(front.tmpdir) / 'tenancy.sqlite'}?mode=ro", uri=True) as db:
+            rows = db.execute(
+                "SELECT status, finish_reason FROM usage WHERE tenant_id = ?", (tid,)
+            ).fetchall()
+        time.sleep(0.05)
+    assert rows == [(499, "abort")]
 
 
 def test_unreachable_upstream_fails_fast_and_failover_serves(front):
