@@ -20,8 +20,9 @@ itself; usage in the front's ledger (admin usage API) as the upstream counted it
 (429); an upstream 429 with its retry-after; an upstream 400 with its param; a streaming output filter
 cutting the upstream's text; a client leaving mid-stream closes the upstream request (the upstream's
 ``running`` returns to 0; the front's ledger row is a 499 "abort"); the Ollama API (/api/chat) for an
-upstream model; tool calls and the request's fields passed through; usage the upstream omits counted here and marked estimated in the ledger row; an
-answer broken off mid-stream as an SSE error event; a 5xx as 502, and failover past it; /v1/completions.
+upstream model; tool calls and the request's fields passed through; usage the upstream omits counted here
+and marked estimated in the ledger row; an answer broken off mid-stream as an SSE error event; a 5xx as
+502, and failover past it; /v1/completions.
 """
 
 from __future__ import annotations
