@@ -8,7 +8,8 @@
                                               ``wait``: answer once it has none in flight, or after S s)
     POST /backends/{id}/undrain            -> Backend (takes requests again)
 
-``{id}`` is a backend's name (``backend-0``...; unique across models). A drain lasts across the backend's
+``{id}`` is a backend's name (``backend-0``...; unique across models; it may hold slashes, as a served name
+such as ``org/model`` gives ``org/model-backend-0``). A drain lasts across the backend's
 restarts, until ``undrain``; it is this gateway's (each gateway sharing a backend drains its own link). While
 every backend of a model is drained, its requests get 503 at once and ``/readyz`` is 503.
 
@@ -253,6 +254,6 @@ def backend_routes(gw: Gateway) -> list[BaseRoute]:
     admin = BackendAdmin(gw, lambda: [(m.name, m.pool) for m in gw.catalog if m.pool is not None])
     return [
         Route("/backends", admin.guarded(admin.list_backends), methods=["GET"]),
-        Route("/backends/{backend_id}/drain", admin.guarded(admin.drain), methods=["POST"]),
-        Route("/backends/{backend_id}/undrain", admin.guarded(admin.undrain), methods=["POST"]),
+        Route("/backends/{backend_id:path}/drain", admin.guarded(admin.drain), methods=["POST"]),
+        Route("/backends/{backend_id:path}/undrain", admin.guarded(admin.undrain), methods=["POST"]),
     ]
