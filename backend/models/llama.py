@@ -203,29 +203,43 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     the other shapes of SmolLM2 were row-invariant everywhere. So each shape is probed once per
     process (cached by shape, dtype, bias and thread count), on random rows against the real packed
     weight: the largest ``c`` of ``ROW_TILE_CANDIDATES`` whose every row count ``1..c`` gives the rows
-    of the ``c``-row call bit for bit, plus ``ROW_TILE_LARGE`` when its rows equal those too.
+    of the ``c``-row call bit for bit, plus ``ROW_TILE_LARGE`` when its rows equal those too; each on
+    one thread and on the thread count at load (the backend may change between the two under
+    contention), which must agree as well.
 
     Returns:
         ``(ROW_TILE_LARGE, c)`` or ``(c,)``; ``Linear`` splits a batch into calls of these sizes
         (large ones first), the last call taking the remainder (at most ``c`` rows).
     """
-    n = packed.shape[0] if packed.dim() == 2 else -1
-    key = (tuple(packed.shape), k, n, dtype, b is not None, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    key = (tuple(packed.shape), k, dtype, b is not None, threads)
     got = _row_tile_cache.get(key)
     if got is not None:
         return got
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(ROW_TILE_LARGE, k, generator=gen).to(dtype)
+    counts = sorted({1, threads})  # the backend may drop to one thread under contention (and back)
+
+    def same_rows(m: int, ref: torch.Tensor) -> bool:
+        """``m`` rows give the first ``m`` rows of ``ref`` on every thread count in ``counts``."""
+        try:
+            for n in counts:
+                torch.set_num_threads(n)
+                if not torch.equal(_onednn_mm(x[:m], packed, b), ref[:m]):
+                    return False
+            return True
+        finally:
+            torch.set_num_threads(threads)
+
     small = 1
     for c in ROW_TILE_CANDIDATES:
         ref = _onednn_mm(x[:c], packed, b)
-        if all(torch.equal(_onednn_mm(x[:m], packed, b), ref[:m]) for m in range(1, c)):
+        if all(same_rows(m, ref) for m in range(1, c + 1)):
             small = c
             break
-    large = _onednn_mm(x, packed, b)
-    tiles = (
-        (ROW_TILE_LARGE, small) if torch.equal(large[:small], _onednn_mm(x[:small], packed, b)) else (small,)
-    )
+    full = _onednn_mm(x, packed, b)
+    large_ok = torch.equal(full[:small], _onednn_mm(x[:small], packed, b)) and same_rows(ROW_TILE_LARGE, full)
+    tiles = (ROW_TILE_LARGE, small) if large_ok else (small,)
     _row_tile_cache[key] = tiles
     return tiles
 
