@@ -93,8 +93,9 @@ _MODEL_LISTS |= {
 
 def parse_model_spec(text: str, source: str) -> dict[str, Any]:
     """One ``--serve-model`` value (``name=a,path=/m.gguf,dtype=float32,alias=b,alias=c``) as a
-    ``[[models]]`` table: ``alias``, ``backend_url`` and ``url`` (``urls``) repeat into lists, engine options
-    go to ``engine``, any other key is kept for ``model_table`` to place. Raises ``SettingsError`` naming ``source``."""
+        ``[[models]]`` table: ``alias``, ``backend_url`` and ``url`` (``urls``) repeat into lists, engine options
+        go to ``engine``, any other key is kept for ``model_table`` to place. Raises ``SettingsError`` naming ``source``
+    (also for a key given twice that does not repeat, and for ``engine=`` / ``upstream=``: tables in TOML)."""
     table: dict[str, Any] = {}
     for part in text.split(","):
         key, eq, value = part.partition("=")
@@ -104,12 +105,17 @@ def parse_model_spec(text: str, source: str) -> dict[str, Any]:
                 f"{source}: expected KEY=VALUE pairs separated by commas, got {part.strip()!r}"
             )
         value = value.strip()
+        if key in ("engine", "upstream"):  # tables in TOML; here each of their options goes by its own name
+            raise SettingsError(f"{source}: give the {key} options by name (max_num_seqs=8), not {key}=")
         if key in _MODEL_LISTS:
             table.setdefault(_MODEL_LISTS[key], []).append(value)
-        elif key not in _MODEL_FIELDS and key in engine_actions():
-            table.setdefault("engine", {})[key] = value
-        else:
-            table[key] = value
+            continue
+        into = (
+            table.setdefault("engine", {}) if key not in _MODEL_FIELDS and key in engine_actions() else table
+        )
+        if key in into:
+            raise SettingsError(f"{source}: {key!r} given twice (only alias, backend_url and url repeat)")
+        into[key] = value
     return table
 
 
@@ -162,6 +168,8 @@ def check_models(settings: Settings, merged: dict[str, dict[str, object]], notic
     for m in settings.models:
         for n in dict.fromkeys([m.name, *m.aliases]):
             if n in seen:
+                if seen[n] == m.name:
+                    raise SettingsError(f"model name {n!r} is declared by two models")
                 raise SettingsError(f"model name {n!r} is used by both {seen[n]!r} and {m.name!r}")
             seen[n] = m.name
         if m.kind != "native":

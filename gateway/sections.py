@@ -6,6 +6,7 @@ Loading, precedence and the command line are in :mod:`gateway.settings`; this mo
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -13,6 +14,8 @@ import msgspec
 from auth.store import check_location
 from gateway.backends.address import link_credentials, parse_backend_url
 from ratelimit.redis_client import redis_connection
+
+_MODEL_NAME = re.compile(r"\S(.*\S)?")  # a served name or alias: no line break, no outer white space
 
 
 def _opt(description: str, **constraints: float) -> msgspec.Meta:
@@ -209,6 +212,11 @@ class ModelSettings(Section):
     ] = {}
 
     def __post_init__(self) -> None:
+        for n in (self.name, *self.aliases):  # the rule of a tenant's models (gateway/admin/schemas.py)
+            if len(n) > 256 or not _MODEL_NAME.fullmatch(n):
+                raise ValueError(
+                    f"model name {n!r}: 1-256 characters, no line break, no leading or trailing white space"
+                )
         if self.kind not in ("native", "openai"):
             raise ValueError(f"kind must be native or openai, not {self.kind!r}")
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:

@@ -293,9 +293,27 @@ def test_serve_model_flag_declares_models():
         (["--serve-model", "name=a,dtype=f8"], "model 'a': engine options"),
         (["--serve-model", "name=a,kind=mystery"], "kind must be native or openai"),
         (["--serve-model", "name=a,replicas=0"], "replicas"),
+        (["--serve-model", "name=a", "--serve-model", "name=a"], "'a' is declared by two models"),
+        (["--serve-model", "name=a,name=b"], "'name' given twice"),
+        (["--serve-model", "name=a,max_num_seqs=4,max_num_seqs=8"], "'max_num_seqs' given twice"),
+        (["--serve-model", "name=a,engine=x,max_num_seqs=8"], "give the engine options by name"),
+        (["--serve-model", "name=a,upstream=x"], "give the upstream options by name"),
+        (["--serve-model", "name=a,alias="], "model name '': 1-256 characters"),
+        (["--serve-model", "name=" + "m" * 257], "1-256 characters"),
     ],
 )
 def test_bad_model_declarations_are_one_clear_error(argv, message):
     with pytest.raises(SettingsError) as exc:
         load_settings(["serve", *argv], {})
     assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("names", ['name = "a"\naliases = [" pad"]', 'name = "x\\ny"', 'name = "a "'])
+def test_model_names_are_the_tenants_model_names(tmp_path, names):
+    """A served name or alias that a tenant's ``models`` could not hold (gateway/admin/schemas.py: 1-256
+    characters, no line break, no leading or trailing white space) stops the start with one line."""
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f"[[models]]\n{names}\n")
+    with pytest.raises(SettingsError) as exc:
+        load_settings(["serve", "--config", str(cfg)], {})
+    assert "1-256 characters" in str(exc.value) and "\n" not in str(exc.value)
