@@ -80,22 +80,25 @@ def running(listed: list[Listed]) -> dict[str, Any]:
     return {"models": out}
 
 
-def show(name: str, card: ModelCard, context_length: int) -> dict[str, Any]:
-    """POST /api/show of ``name``: details, model_info (architecture, context length, the gateway's device,
-    attention backend and dtype), the chat template, capabilities."""
+def show(name: str, card: ModelCard, context_length: int, *, native: bool = True) -> dict[str, Any]:
+    """POST /api/show of ``name``: details, model_info (architecture, context length, quantization when
+    known; for a model with this gateway's backends, ``native``, their device, attention backend and dtype:
+    an upstream's are not known here), the chat template, capabilities."""
     arch = card.architecture
     e = entry(name, card)
-    return {
-        "modified_at": e["modified_at"],
-        "details": e["details"],
-        "model_info": {
-            "general.architecture": arch,
-            f"{arch}.context_length": context_length,
-            "general.quantization": card.quantization,
+    info: dict[str, Any] = {"general.architecture": arch, f"{arch}.context_length": context_length}
+    if card.quantization:
+        info["general.quantization"] = card.quantization
+    if native:
+        info |= {
             "gateway.device": card.device,
             "gateway.attention_backend": card.attention_backend,
             "gateway.dtype": card.dtype,
-        },
+        }
+    return {
+        "modified_at": e["modified_at"],
+        "details": e["details"],
+        "model_info": info,
         "template": card.chat_template or "",
         "parameters": "",
         "license": "",

@@ -160,7 +160,7 @@ class OllamaAPI:
         except APIError as exc:
             get_record(request).set_error(exc.type, exc.code)
             return error_response(exc)
-        return JSONResponse(models.show(name, card, context_length))
+        return JSONResponse(models.show(name, card, context_length, native=served.pool is not None))
 
 
 def _shown(model: ServedModel) -> tuple[ModelCard, int] | None:

@@ -314,6 +314,7 @@ def test_ollama_chat_for_an_upstream_model(front):
     shown = c.show("up")  # no model file here: no format or quantization; the upstream's context length
     assert shown.details.format == "" and shown.details.quantization_level == ""
     assert shown.modelinfo["openai.context_length"] == 8192
+    assert shown.modelinfo == {"general.architecture": "openai", "openai.context_length": 8192}  # no dtype...
 
 
 def _ask(client: openai.OpenAI, model: str, said: str, **kw):
