@@ -18,7 +18,10 @@ sequence cap (``max_num_seqs``). One call to ``schedule()`` decides, in order:
 tokens of every running decode, so once decodes are scheduled the prefill tokens of the step are cut to
 what ``StepCost`` predicts still fits under the target (``prefill_budget``), never under
 ``min_prefill_tokens`` (prompts keep flowing when decodes alone fill the target). With no decode in the
-step there is nothing to protect and the whole budget goes to prefill. A prefix-cache hit is charged at
+step there is nothing to protect and the whole budget goes to prefill. Admission also waits while the
+running sequences plus the next would decode in more than ``decode_share`` of the target (each admitted
+sequence makes every later step longer once it decodes; past that share the prefill would be starved).
+A prefix-cache hit is charged at
 its real cost: admission schedules only the tokens after the cached blocks, so only uncached tokens count
 against the budget. ``StepCost`` learns the step time from every step the engine ran (``observe``).
 
@@ -153,6 +156,8 @@ class Scheduler:
             decodes can grow (default 1% of the pool).
         itl_target_s: predicted step time the prefill of a step with decodes is cut to (seconds; 0: off).
         min_prefill_tokens: prefill tokens a step may always take under the target (default block size).
+        decode_share: with the target on, a waiting sequence is admitted only while the running sequences
+            plus it would decode in at most this share of the target (the rest is left for prefill).
         cost: the step-time model (default a fresh ``StepCost``).
     """
 
@@ -166,6 +171,7 @@ class Scheduler:
         watermark_blocks: int | None = None,
         itl_target_s: float = 0.0,
         min_prefill_tokens: int | None = None,
+        decode_share: float = 0.6,
         cost: StepCost | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -181,6 +187,7 @@ class Scheduler:
         )
         self.itl_target_s = itl_target_s
         self.min_prefill_tokens = min_prefill_tokens or block_manager.block_size
+        self.decode_share = decode_share
         self.cost = cost or StepCost()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -305,6 +312,8 @@ class Scheduler:
                 seq = self.waiting[0]
                 if self._reserved + 1 + seq.pending_forks > self.max_num_seqs:
                     break
+                if self._over_decode_share(self._reserved + 1 + seq.pending_forks):
+                    break
                 cached = bm.match_prefix(seq)
                 start = len(cached) * bm.block_size
                 n = min(len(seq.token_ids) - start, thr, budget)
@@ -349,6 +358,14 @@ class Scheduler:
         chunks = [c for c in scheduled.values()]
         out.chunks = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
         return out
+
+    def _over_decode_share(self, num_seqs: int) -> bool:
+        """With the latency target on and something running: would ``num_seqs`` decodes alone take more
+        than ``decode_share`` of the target? (Then admission waits: a sequence admitted now would make every
+        later step slower than the target allows once it decodes.)"""
+        if self.itl_target_s <= 0 or not self.running:
+            return False
+        return self.cost.predict(num_seqs, 0) > self.decode_share * self.itl_target_s
 
     def _fit(self, seq: Sequence, want: int) -> int:
         """Largest ``n <= want`` new tokens of ``seq`` whose blocks the pool can supply now."""

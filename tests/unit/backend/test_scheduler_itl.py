@@ -74,7 +74,7 @@ def test_decodes_stay_under_target_while_a_long_prompt_flows(target):
     """30 running decodes, then a 2,000-token prompt: with the target every step stays under it (after the
     model has seen a few steps) and the prompt still gets its first token; without it, steps run ~0.5 s."""
     bm = BlockManager(2000, 16)
-    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=512, itl_target_s=target)
+    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=512, itl_target_s=target, decode_share=2.0)
     start_decodes(sched, 30)
     for _ in range(20):  # decode-only steps: the model learns base + per_decode
         run_step(sched)
@@ -98,10 +98,7 @@ def test_decodes_stay_under_target_while_a_long_prompt_flows(target):
 
 
 def test_floor_keeps_prompts_flowing_when_decodes_fill_the_target():
-    bm = BlockManager(2000, 16)
-    sched = Scheduler(
-        bm, max_num_seqs=128, max_num_batched_tokens=512, itl_target_s=0.05, cost=StepCost(**vars_of(TRUE))
-    )
+    sched = known_machine(itl_target_s=0.05, decode_share=3.0, max_num_seqs=128)
     start_decodes(sched, 40)  # 0.09 s of decodes alone, over the 0.05 s target
     s = Sequence([5] * 100, max_tokens=2)
     sched.add(s)
@@ -124,7 +121,9 @@ def test_prefix_cache_hit_is_charged_only_for_uncached_tokens():
     sched.add(first)
     while not first.num_generated:
         run_step(sched)
-    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=512, itl_target_s=0.11, cost=cost)
+    sched = Scheduler(
+        bm, max_num_seqs=64, max_num_batched_tokens=512, itl_target_s=0.11, decode_share=1.0, cost=cost
+    )
     start_decodes(sched, 25)  # 0.06 s of decodes: room for (0.11 - 0.06) / 0.0009 = 55 prefill tokens
     second = Sequence(doc + [2] * 20, max_tokens=3, cache_salt="t")
     sched.add(second)
@@ -139,6 +138,32 @@ def test_prefix_cache_hit_is_charged_only_for_uncached_tokens():
     out = sched.schedule()
     (chunk,) = [c for c in out.chunks if c.seq is uncached]
     assert chunk.num_tokens <= 55
+
+
+def test_admission_waits_while_the_decodes_would_fill_their_share():
+    """Target 0.1 s, share 0.61: at most (0.061 - 0.010) / 0.002 = 25 decodes; the 26th waits until one ends."""
+    sched = known_machine(itl_target_s=0.1, decode_share=0.61)
+    seqs = [Sequence([1 + i, 2, 3, 4], max_tokens=5 if i == 0 else 10_000) for i in range(30)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(3):
+        run_step(sched)
+    assert sched.num_running == 25 and sched.num_waiting == 5
+    for _ in range(3):  # seqs[0] finishes after 5 tokens: one more is admitted
+        run_step(sched)
+    assert sched.num_running == 25 and sched.num_waiting == 4 and seqs[0].is_finished
+    sched.check_invariants()
+
+
+def known_machine(max_num_seqs: int = 64, **kw: float) -> Scheduler:
+    """A scheduler over a fresh pool whose step-time model already knows ``TRUE``."""
+    return Scheduler(
+        BlockManager(2000, 16),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=512,
+        cost=StepCost(**vars_of(TRUE)),
+        **kw,
+    )
 
 
 def vars_of(cost: StepCost) -> dict[str, float]:
