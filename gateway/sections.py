@@ -219,10 +219,21 @@ class ModelSettings(Section):
                 )
         if self.kind not in ("native", "openai"):
             raise ValueError(f"kind must be native or openai, not {self.kind!r}")
+        if self.kind != "native":  # what only this gateway's backends read would be ignored silently
+            given = [k for k in _NATIVE_KEYS if getattr(self, k) not in (None, [], {})]
+            given += ["replicas"] if self.replicas != 1 else []
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: a native model's keys (a {self.kind} model takes name, aliases, "
+                    "tokenizer, context_length and its kind's own keys)"
+                )
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
             raise ValueError("give kv_cache_memory or num_kv_blocks, not both")
         for url in self.backend_url:  # this model's own backends (the link's credentials: [backend])
             parse_backend_url(url)  # ValueError: a clear message naming the URL
+
+
+_NATIVE_KEYS = ("path", "backend_url", "dtype", "kv_cache_memory", "num_kv_blocks", "engine", "chat_template")
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

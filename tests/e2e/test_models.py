@@ -300,6 +300,17 @@ def test_serve_model_flag_declares_models():
         (["--serve-model", "name=a,upstream=x"], "give the upstream options by name"),
         (["--serve-model", "name=a,alias="], "model name '': 1-256 characters"),
         (["--serve-model", "name=" + "m" * 257], "1-256 characters"),
+        (
+            ["--serve-model", "name=u,kind=openai,url=http://h/v1,replicas=2"],
+            "replicas: a native model's keys",
+        ),
+        (
+            ["--serve-model", "name=u,kind=openai,url=http://h/v1,dtype=float32"],
+            "dtype: a native model's keys",
+        ),
+        (["--serve-model", "name=u,kind=openai,url=http://h/v1,max_num_seqs=4"], "engine: a native model's"),
+        (["--serve-model", "name=u,kind=openai,url=http://h/v1,chat_template=/t.jinja"], "chat_template: a"),
+        (["--serve-model", "name=u,kind=openai,url=http://h/v1,backend_url=tcp://h:1"], "backend_url: a"),
     ],
 )
 def test_bad_model_declarations_are_one_clear_error(argv, message):
