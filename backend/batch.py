@@ -23,12 +23,18 @@ class SeqChunk:
             Needs at least ``ceil((start_pos + len(token_ids)) / block_size)`` entries.
         need_logits: return the logits of the last new token (the next-token distribution).
             False for non-final prefill chunks.
+        prompt_len: the sequence's prompt length (tokens). Positions at or past it hold generated tokens,
+            whose rows the model may compute in another weight format than prompt rows (see
+            ``backend.model_runner.ModelRunner``, ``generated_int4``): a row's arithmetic then depends on
+            its token's role only, never on what else is in the step. None: every position is a prompt
+            token.
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     need_logits: bool = True
+    prompt_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -42,18 +42,28 @@ class BlockManager:
         num_blocks: blocks in the pool (the runner's ``num_kv_blocks``).
         block_size: tokens per block.
         enable_prefix_caching: register and look up full blocks.
+        cache_generated: register blocks that hold generated tokens too (vLLM does). False when the model
+            computes generated tokens in another weight format than prompt tokens: only blocks made of
+            prompt tokens alone are registered, so a hit gives a prompt the K/V it would compute itself.
 
     Counters (tokens): ``prefix_cache_queries`` (tokens looked up at admission),
     ``prefix_cache_hits`` (tokens served from cache); both counted only when
     the admission actually takes the blocks (``admit``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        cache_generated: bool = True,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_generated = cache_generated
         self.ref_count = [0] * num_blocks
         self.block_key: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -205,6 +215,8 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if not self.cache_generated:
+            full = min(full, seq.num_prompt_tokens // bs)
         hashes = seq.block_hashes
         tokens = seq.token_ids
         while len(hashes) < full:

@@ -148,8 +148,13 @@ class Engine:
         self.vocab_size = int(runner.vocab_size)
         self.context_length = int(getattr(runner, "max_model_len", None) or self.card.context_length)
         self.eos_token_ids = list(self.card.eos_token_ids)
+        # generated tokens computed in another weight format than prompt tokens: their K/V must not serve a
+        # later prompt from the prefix cache (a cache hit would change that prompt's arithmetic)
         self.block_manager = BlockManager(
-            num_kv_blocks or runner.num_kv_blocks, runner.block_size, enable_prefix_caching
+            num_kv_blocks or runner.num_kv_blocks,
+            runner.block_size,
+            enable_prefix_caching,
+            cache_generated=not getattr(runner, "generated_int4", False),
         )
         # Served context (vLLM's max_model_len): never more than the KV pool can hold for one sequence,
         # so a request without max_tokens ("up to the context's end") always fits the pool.
@@ -497,6 +502,7 @@ class Engine:
                 start_pos=c.start,
                 block_table=c.seq.block_table,
                 need_logits=c.need_logits,
+                prompt_len=c.seq.num_prompt_tokens,
             )
             for c in plan.chunks
         ]

@@ -25,7 +25,7 @@ from backend.allocator import tune_glibc_malloc
 from backend.attention.base import AttentionBackend, AttentionMetadata
 from backend.batch import SeqChunk
 from backend.loaders.memory import MemoryBudget
-from backend.models.llama import LlamaModel, LlamaWeights
+from backend.models.llama import LlamaModel, LlamaWeights, RowRoles
 from backend.protocol import ModelCard
 
 _DTYPES = {
@@ -106,6 +106,10 @@ class ModelRunner:
             ``LlamaModel``'s docstring.
         memory_budget: host-memory bytes the load may take (``None``: ``$GATEWAY_MEMORY_BUDGET`` or the
             available RAM minus a margin; ``0``: no check). See ``backend.loaders.memory``.
+        generated_int4: rows of generated tokens (``SeqChunk.prompt_len``) use the packed int4 matmuls and
+            an int8 LM head, prompt rows the dense ones: batch-invariant (the format follows the token's role)
+            at a third of dense bf16's bytes per decode step. ``None``: on for bfloat16 on CPU with a 4-bit
+            GGUF (``backend.models.llama.RowRoles``).
         num_threads: ``torch.set_num_threads`` for this process (``None``: leave torch's default, one per
             core). On a CPU shared with other busy processes, 1 thread was ~3x faster than 2 (OpenMP
             barriers stall when a thread is descheduled); on an idle machine all cores are faster.
@@ -134,6 +138,7 @@ class ModelRunner:
         int4_max_rows: int | None = None,
         num_threads: int | None = None,
         memory_budget: int | None = None,
+        generated_int4: bool | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -148,6 +153,8 @@ class ModelRunner:
         self.block_size = block_size
         if int4_max_rows is None or self.device.type != "cpu":
             int4_max_rows = 0
+        if generated_int4 is None:
+            generated_int4 = False  # measured: see RowRoles (the int4 kernel is linear in rows)
         budget = None
         if memory_budget != 0:
             on_cpu = self.device.type == "cpu"
@@ -156,9 +163,18 @@ class ModelRunner:
             budget = MemoryBudget.for_load(dtype=_DTYPE_NAMES[self.dtype], compute_bytes=elem, extra_bytes=kv)
             if memory_budget is not None:
                 budget.limit, budget.source = int(memory_budget), "the memory_budget given"
-        weights, card = load_weights(model_path, keep_q4=int4_max_rows > 0, budget=budget)
+        weights, card = load_weights(model_path, keep_q4=int4_max_rows > 0 or generated_int4, budget=budget)
         self.config = weights.config
-        self.model = LlamaModel(weights, device=self.device, dtype=self.dtype, int4_max_rows=int4_max_rows)
+        self.model = LlamaModel(
+            weights,
+            device=self.device,
+            dtype=self.dtype,
+            int4_max_rows=int4_max_rows,
+            generated_int4=generated_int4,
+        )
+        #: generated tokens take another weight format than prompt tokens (see ``RowRoles``)
+        self.generated_int4 = self.model.generated_int4
+        self._roles: tuple[RowRoles | None, RowRoles | None] = (None, None)
         del weights
         self.attn = make_attention_backend(attention_backend, self.dtype, self.device)
         cfg = self.config
@@ -215,6 +231,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         qlens: list[int] = []
         rows: list[int] = []
+        gen: list[bool] = []  # per row: a generated token (position >= the sequence's prompt length)
+        gen_logit: list[bool] = []
         num_decodes = 0
         decoding = True
         max_blocks = 1
@@ -250,6 +268,11 @@ class ModelRunner:
             qlens.append(n)
             if c.need_logits:
                 rows.append(qsl[-1] - 1)
+            if self.generated_int4:
+                p_len = end if c.prompt_len is None else c.prompt_len
+                gen.extend(p >= p_len for p in range(s, end))
+                if c.need_logits:
+                    gen_logit.append(end - 1 >= p_len)
             max_blocks = max(max_blocks, need)
         if tokens and (min(tokens) < 0 or max(tokens) >= V):
             raise ValueError(f"token id outside [0, {V})")
@@ -277,6 +300,8 @@ class ModelRunner:
             query_lens_cpu=qlens,
         )
         rows_t = torch.tensor(rows, dtype=torch.int64, **pin) if rows else None
+        if self.generated_int4:  # read by execute (the tuple prepare returns keeps its shape)
+            self._roles = (RowRoles.of(gen, dev), RowRoles.of(gen_logit, dev))
         return tok_t, pos_t, meta, rows_t, max(positions) if positions else 0
 
     # ------------------------------------------------------------------ step
@@ -298,4 +323,7 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         tok, pos, meta, rows, max_pos = self.prepare(chunks)
-        return self.model.forward(tok, pos, self.kv_caches, self.attn, meta, rows, max_pos)
+        roles, logit_roles = self._roles
+        return self.model.forward(
+            tok, pos, self.kv_caches, self.attn, meta, rows, max_pos, roles, logit_roles
+        )

@@ -244,6 +244,42 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     return tiles
 
 
+class RowRoles:
+    """Which rows of a step hold generated tokens (positions at or past their sequence's prompt length).
+
+    With ``generated_int4`` the model computes generated rows with the packed int4 matmuls (an int8 LM
+    head) and prompt rows with the dense ones, so a row's arithmetic is a function of its token's role and
+    never of the rest of the step: a prompt computes the same K/V cold, chunked or from the prefix cache,
+    and a generated token the same in a decode step, a recompute after preemption, or a batch of 64. Both
+    kernel families give each row identical bits for every row count and thread count (measured:
+    ``tests/unit/backend/test_invariance.py``).
+
+    Attributes:
+        generated: ``[G] int64`` indices of the generated rows, or None (none); prompt: ``[P] int64`` of the
+            prompt rows, or None. At least one is not None.
+    """
+
+    __slots__ = ("generated", "prompt")
+
+    def __init__(self, generated: torch.Tensor | None, prompt: torch.Tensor | None) -> None:
+        self.generated = generated
+        self.prompt = prompt
+
+    @classmethod
+    def of(cls, flags: list[bool], device: torch.device) -> RowRoles | None:
+        """From one flag per row (True: generated); None when no row is generated (all dense)."""
+        if not any(flags):
+            return None
+        if all(flags):
+            return cls(torch.arange(len(flags), device=device), None)
+        gen = [i for i, f in enumerate(flags) if f]
+        prompt = [i for i, f in enumerate(flags) if not f]
+        return cls(
+            torch.tensor(gen, dtype=torch.int64, device=device),
+            torch.tensor(prompt, dtype=torch.int64, device=device),
+        )
+
+
 class Linear:
     """``y = x @ W.T`` with ``W [N, K]``: oneDNN-prepacked on CPU, optionally packed int4 for few rows.
 
@@ -256,7 +292,7 @@ class Linear:
     default since the prepacked bf16 path measured as fast at 1 row and faster at 8).
     """
 
-    __slots__ = ("w", "b", "onednn", "tiles", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
+    __slots__ = ("w", "b", "n", "onednn", "tiles", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
 
     def __init__(
         self,
@@ -271,16 +307,12 @@ class Linear:
         bias: torch.Tensor | None = None,
     ):
         self.w = w.to(device=device, dtype=dtype).contiguous()
+        self.n = w.shape[0]
         self.b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         self.onednn = onednn_pack(self.w) if prepack else None
         self.tiles = row_tiles(self.onednn, w.shape[1], dtype, self.b) if self.onednn is not None else ()
         self.w8 = self.w8_scale = None
-        if (
-            int8_small
-            and int4_max_rows > 0
-            and dtype == torch.bfloat16
-            and torch.device(device).type == "cpu"
-        ):
+        if int8_small and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             # per-row symmetric int8 (for the LM head, whose GGUF type is not 4-bit): half the bytes of bf16
             wf = w.to(torch.float32)
             scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -291,7 +323,7 @@ class Linear:
         self.packed = self.sz = None
         self.group = 32
         self.int4_max_rows = int4_max_rows
-        if q4 is not None and int4_max_rows > 0:
+        if q4 is not None:
             codes, scale, zero = q4
             n, k = codes.shape
             self.group = k // scale.shape[1]
@@ -300,14 +332,31 @@ class Linear:
             )
             self.sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` (compute dtype) -> ``[M, N]`` (compute dtype), plus the bias ``b [N]`` if any."""
-        if x.shape[0] <= self.int4_max_rows and (self.packed is not None or self.w8 is not None):
-            if self.packed is not None:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
-            else:
-                y = torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w8_scale)
-            return y if self.b is None else y.add_(self.b)
+    def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
+        """``x [M, K]`` (compute dtype) -> ``[M, N]`` (compute dtype), plus the bias ``b [N]`` if any.
+
+        ``roles``: the generated rows take the packed int4 (or int8) weights when this layer has them,
+        the others the dense ones (see ``RowRoles``); None: every row is a prompt row."""
+        quant = self.packed is not None or self.w8 is not None
+        if roles is not None and quant:
+            if roles.prompt is None:
+                return self._quantized(x)
+            y = torch.empty(x.shape[0], self.n, dtype=x.dtype, device=x.device)
+            y.index_copy_(0, roles.generated, self._quantized(x.index_select(0, roles.generated)))
+            y.index_copy_(0, roles.prompt, self._dense(x.index_select(0, roles.prompt)))
+            return y
+        if x.shape[0] <= self.int4_max_rows and quant:
+            return self._quantized(x)
+        return self._dense(x)
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w8_scale)
+        return y if self.b is None else y.add_(self.b)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn is not None:
             m = x.shape[0]
             small = self.tiles[-1]
@@ -350,6 +399,10 @@ class LlamaModel:
             ``backend.cpu_kernels`` when they build (``cpu_kernels`` attribute; None = the torch path).
             Measured, bf16 single-sequence decode step on the 2-core VM: 12.5 ms torch ops -> see
             docs/perf.md for the fused number.
+        generated_int4: on CPU in bfloat16 with ``weights.q4``: rows of generated tokens use the packed int4
+            matmuls and an int8 LM head, prompt rows the dense ones (``RowRoles``; the caller passes the
+            roles to ``forward``). Batch-invariant, since the format follows the token, not the step; a
+            decode step then streams a third of the bytes of dense bf16.
 
     Attributes:
         config: the ``LlamaConfig``.
@@ -368,6 +421,7 @@ class LlamaModel:
         int4_max_rows: int | None = None,
         prepack: bool = True,
         fused: bool = True,
+        generated_int4: bool = False,
     ):
         cfg = weights.config
         self.config = cfg
@@ -377,6 +431,10 @@ class LlamaModel:
         if int4_max_rows is None or self.device.type != "cpu":
             int4_max_rows = 0
         self.int4_max_rows = int4_max_rows if weights.q4 else 0
+        self.generated_int4 = bool(
+            generated_int4 and weights.q4 and self.device.type == "cpu" and dtype == torch.bfloat16
+        )
+        quantized = bool(self.int4_max_rows or self.generated_int4)
         self.cpu_kernels = None
         if fused and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.cpu_kernels = cpu_kernels.load()
@@ -386,7 +444,7 @@ class LlamaModel:
 
         def lin(names: list[str], bias: bool = False) -> Linear:
             w = torch.cat([t.pop(n) for n in names], 0) if len(names) > 1 else t.pop(names[0])
-            q = _cat_q4([q4.pop(n, None) for n in names]) if self.int4_max_rows else None
+            q = _cat_q4([q4.pop(n, None) for n in names]) if quantized else None
             b = torch.cat([t.pop(n[: -len("weight")] + "bias") for n in names], 0) if bias else None
             return Linear(
                 w, q, dtype=dtype, device=dev, int4_max_rows=self.int4_max_rows, prepack=prepack, bias=b
@@ -431,7 +489,7 @@ class LlamaModel:
             device=dev,
             prepack=prepack,
             int4_max_rows=self.int4_max_rows,
-            int8_small=True,
+            int8_small=quantized,
         )
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)
         self._cos = self._sin = None
@@ -513,6 +571,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         logit_rows: torch.Tensor | None,
         max_pos: int,
+        roles: RowRoles | None = None,
+        logit_roles: RowRoles | None = None,
     ) -> torch.Tensor:
         """Run all layers over ``T`` new tokens and return logits of the selected rows.
 
@@ -525,6 +585,8 @@ class LlamaModel:
             meta: the step's ``AttentionMetadata``.
             logit_rows: ``[R] int64`` rows of the batch whose logits are wanted (``None``: none).
             max_pos: the largest value in ``positions`` (Python int; sizes the RoPE table).
+            roles, logit_roles: the generated rows among the ``T`` rows and among the ``R`` logit rows
+                (``RowRoles``; None: none). Used only with ``generated_int4``.
 
         Returns:
             ``[R, vocab] float32`` logits (``[0, vocab]`` when ``logit_rows`` is None or empty).
@@ -537,10 +599,12 @@ class LlamaModel:
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, ks = self.q_size, self.kv_size
         x = self.embed.index_select(0, token_ids).float()  # residual stream in fp32: [T, H]
+        if not self.generated_int4:
+            roles = logit_roles = None
         kern = self.cpu_kernels
         if kern is not None and getattr(attn, "name", "") == "torch":
-            self._layers_fused(kern, x, positions, kv_caches, attn, meta, max_pos)
-            return self._logits(x, logit_rows)
+            self._layers_fused(kern, x, positions, kv_caches, attn, meta, max_pos, roles)
+            return self._logits(x, logit_rows, logit_roles)
         use_bmm = T <= self.ROPE_BMM_MAX_TOKENS
         if use_bmm:
             rot = self.rope_matrices(positions, max_pos)  # [T, hd, hd]
@@ -548,7 +612,7 @@ class LlamaModel:
             cos, sin = self.rope_cos_sin(positions, max_pos)
         for (ln1, qkv_w, o_w, ln2, gu_w, down_w, qk_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = F.rms_norm(x, (H,), ln1, eps).to(dtype)
-            qkv = qkv_w(h) if qk_w is None else self._qk_norm(qkv_w(h), qk_w)
+            qkv = qkv_w(h, roles) if qk_w is None else self._qk_norm(qkv_w(h, roles), qk_w)
             if use_bmm:
                 # float32 on CPU: q stays float32 (the attention takes it as is), k is rounded on write
                 qk = torch.bmm(qkv[:, : qs + ks].view(T, nh + nkv, hd).to(rot.dtype), rot)
@@ -559,12 +623,12 @@ class LlamaModel:
             v = qkv[:, qs + ks :].view(T, nkv, hd)
             attn.write_kv(k, v, k_cache, v_cache, meta)
             o = attn.forward(q, k_cache, v_cache, meta, self.scale)
-            x = x + o_w(o.reshape(T, qs))
+            x = x + o_w(o.reshape(T, qs), roles)
             h = F.rms_norm(x, (H,), ln2, eps).to(dtype)
-            gu = gu_w(h)
+            gu = gu_w(h, roles)
             g, u = gu.chunk(2, dim=-1)
-            x = x + down_w(F.silu(g) * u)
-        return self._logits(x, logit_rows)
+            x = x + down_w(F.silu(g) * u, roles)
+        return self._logits(x, logit_rows, logit_roles)
 
     def _qk_norm(self, qkv: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Per-head RMSNorm of the q and k parts of ``qkv [T, (nh + 2 nkv) hd]`` (compute dtype), in float32
@@ -579,7 +643,9 @@ class LlamaModel:
             [q.reshape(T, qs).to(qkv.dtype), k.reshape(T, ks).to(qkv.dtype), qkv[:, qs + ks :]], 1
         )
 
-    def _logits(self, x: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def _logits(
+        self, x: torch.Tensor, logit_rows: torch.Tensor | None, roles: RowRoles | None = None
+    ) -> torch.Tensor:
         """Final RMSNorm + LM head of the selected rows of the residual stream ``x [T, H] float32``."""
         cfg = self.config
         if logit_rows is None or logit_rows.numel() == 0:
@@ -590,9 +656,9 @@ class LlamaModel:
             hl = kern.add_rms_norm(xs, None, self.norm, cfg.rms_norm_eps, self.dtype == torch.bfloat16)
         else:
             hl = F.rms_norm(xs, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps).to(self.dtype)
-        return self.lm_head(hl).float()
+        return self.lm_head(hl, roles).float()
 
-    def _layers_fused(self, kern, x, positions, kv_caches, attn, meta, max_pos) -> None:
+    def _layers_fused(self, kern, x, positions, kv_caches, attn, meta, max_pos, roles=None) -> None:
         """All layers with the C++ fused ops (``backend.cpu_kernels``), updating ``x [T, H] float32`` in place.
 
         Per layer: ``add_rms_norm`` (the previous MLP's residual add + RMSNorm + cast), QKV matmul,
@@ -612,9 +678,9 @@ class LlamaModel:
         delta = None
         for (ln1, qkv_w, o_w, ln2, gu_w, down_w, qk_w), (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = kern.add_rms_norm(x, delta, ln1, eps, bf16)
-            qkv = qkv_w(h) if qk_w is None else self._qk_norm(qkv_w(h), qk_w)
+            qkv = qkv_w(h, roles) if qk_w is None else self._qk_norm(qkv_w(h, roles), qk_w)
             q = kern.rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
             o = attn.forward(q, k_cache, v_cache, meta, self.scale)
-            h = kern.add_rms_norm(x, o_w(o.reshape(T, self.q_size)), ln2, eps, bf16)
-            delta = down_w(kern.silu_mul(gu_w(h)))
+            h = kern.add_rms_norm(x, o_w(o.reshape(T, self.q_size), roles), ln2, eps, bf16)
+            delta = down_w(kern.silu_mul(gu_w(h, roles)), roles)
         x += delta
