@@ -119,8 +119,11 @@ async def open_backend_stream(url: str, tls: ssl.SSLContext | None = None) -> tr
     except trio.BrokenResourceError as exc:
         await trio.aclose_forcefully(ssl_stream)
         cause = exc.__cause__ or exc
-        error = AuthenticationFailed if isinstance(cause, ssl.SSLCertVerificationError) else ProtocolError
-        raise error(f"TLS handshake with {url} failed: {cause}") from None
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            raise AuthenticationFailed(f"TLS handshake with {url} failed: {cause}") from None
+        raise ProtocolError(
+            f"TLS handshake with {url} failed: {cause} (a backend listening without TLS has a tcp:// URL)"
+        ) from None
     except BaseException:
         await trio.aclose_forcefully(ssl_stream)
         raise

@@ -140,8 +140,9 @@ class BackendClient:
             OSError: nothing listens at ``url``.
             AuthenticationFailed: the backend refused our proof, gave none or a wrong one, or asked for a
                 secret we do not have (or we have none for a TCP link).
-            ProtocolError: the backend answered ``Fatal``, another protocol version, or garbage.
-            trio.BrokenResourceError: the TLS handshake failed (e.g. the certificate does not verify).
+            ProtocolError: the backend answered ``Fatal``, another protocol version, or garbage, or broke
+                off the handshake (a TLS listener given a tcp:// URL, or a plain one a tls:// URL: the
+                message says which URL to use).
             trio.TooSlowError: no ``Ready`` within ``timeout`` seconds.
         """
         credentials = credentials or LinkCredentials()
@@ -154,12 +155,14 @@ class BackendClient:
             )
         decoder = from_backend_decoder()
         buffered: list = []
+        # a TLS listener drops the plain Hello it cannot read: say so on a tcp:// URL
+        hint = " (a backend listening with TLS has a tls:// URL)" if url.startswith("tcp://") else ""
 
         async def receive() -> FromBackend:
             while not buffered:
                 data = await stream.receive_some(65536)
                 if not data:
-                    raise ProtocolError("backend closed the connection during the handshake")
+                    raise ProtocolError(f"backend {url} closed the connection during the handshake{hint}")
                 buffered.extend(decoder.feed(data))
             return buffered.pop(0)
 
@@ -195,6 +198,11 @@ class BackendClient:
                 raise AuthenticationFailed(f"backend {url} gave a wrong proof of the shared secret")
             if network and not challenged:
                 raise AuthenticationFailed(f"backend {url} did not prove the shared secret (it has none)")
+        except trio.BrokenResourceError as exc:
+            await trio.aclose_forcefully(stream)
+            raise ProtocolError(
+                f"backend {url} broke off the handshake: {exc.__cause__ or exc}{hint}"
+            ) from None
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise

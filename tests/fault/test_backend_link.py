@@ -17,10 +17,12 @@ limit. Checked:
   serves through each with the openai client; kill -9 of one replica mid-stream ends its streams with an
   error event within ``ERROR_BOUND_S`` and the next request is served by the other;
 * the wrong secret stops a first start at once with one clear line (no retry, no hang).
+* a ``tcp://`` URL to a TLS listener and a ``tls://`` URL to a plain one: an error naming the scheme to use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -252,6 +254,48 @@ async def test_gateway_refuses_a_backend_that_does_not_prove_the_secret(behaviou
                 f"tcp://127.0.0.1:{port}", timeout=5, credentials=LinkCredentials(secret=b"s" * 32)
             )
         nursery.cancel_scope.cancel()
+
+
+async def _scheme_listener(tls: ssl.SSLContext | None, task_status) -> None:
+    """One connection to a listener as a backend of the other scheme answers it: with ``tls`` a TLS
+    listener whose handshake fails on the plain Hello; without, a plain one that answers a TLS ClientHello
+    with a ``Fatal`` frame (what ``python -m backend`` does), both then closing."""
+    import trio
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    raw = await listeners[0].accept()
+    if tls is not None:
+        stream = trio.SSLStream(raw, tls, server_side=True)
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.do_handshake()
+    else:
+        await raw.receive_some(65536)
+        await raw.send_all(P.encode_frame(P.Fatal(message="expected Hello first")))
+    await trio.aclose_forcefully(raw)
+
+
+@pytest.mark.parametrize("listener", ["tls", "plain"])
+async def test_a_url_of_the_wrong_scheme_is_named_in_the_error(tmp_path, listener):
+    """A ``tcp://`` URL to a TLS backend and a ``tls://`` URL to a plain one fail with a ``ProtocolError``
+    that names the scheme to use (a bare ``connection reset`` before)."""
+    import trio
+
+    from gateway.backends.address import LinkCredentials
+    from gateway.backends.client import BackendClient
+
+    ctx = None
+    if listener == "tls":
+        files = self_signed(tmp_path)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(files.cert, files.key)
+    scheme, want = ("tcp", "a tls:// URL") if listener == "tls" else ("tls", "a tcp:// URL")
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_scheme_listener, ctx)
+        with pytest.raises(P.ProtocolError, match=want):
+            await BackendClient.connect(
+                f"{scheme}://127.0.0.1:{port}", timeout=5, credentials=LinkCredentials(secret=b"s" * 32)
+            )
 
 
 FAKE_TCP_BACKEND = """
