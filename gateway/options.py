@@ -128,7 +128,7 @@ def model_table(table: dict[str, Any], source: str, *, strict: bool) -> ModelSet
     rest = {k: v for k, v in table.items() if k not in _MODEL_FIELDS}
     if rest and table.get("kind", "native") == "native":
         raise SettingsError(
-            f"{where}: unknown key {next(iter(rest))!r} (a native model's keys: {', '.join(sorted(_MODEL_FIELDS))})"
+            f"{where}: unknown key {next(iter(rest))!r} (a native model's keys: {', '.join(sorted(_MODEL_FIELDS - {'upstream'}))})"
         )
     known["upstream"] = {**known.get("upstream", {}), **rest}
     model = convert(known, ModelSettings, where, strict=strict)

@@ -219,6 +219,8 @@ class ModelSettings(Section):
                 )
         if self.kind not in ("native", "openai"):
             raise ValueError(f"kind must be native or openai, not {self.kind!r}")
+        if self.kind == "native" and self.upstream:
+            raise ValueError(f"upstream: the keys of another kind (kind = {self.kind!r}: a native model)")
         if self.kind != "native":  # what only this gateway's backends read would be ignored silently
             given = [k for k in _NATIVE_KEYS if getattr(self, k) not in (None, [], {})]
             given += ["replicas"] if self.replicas != 1 else []

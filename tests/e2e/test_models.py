@@ -311,12 +311,20 @@ def test_serve_model_flag_declares_models():
         (["--serve-model", "name=u,kind=openai,url=http://h/v1,max_num_seqs=4"], "engine: a native model's"),
         (["--serve-model", "name=u,kind=openai,url=http://h/v1,chat_template=/t.jinja"], "chat_template: a"),
         (["--serve-model", "name=u,kind=openai,url=http://h/v1,backend_url=tcp://h:1"], "backend_url: a"),
+        (["--serve-model", "name=a,colour=red"], "name, num_kv_blocks, path, replicas, tokenizer)"),
     ],
 )
 def test_bad_model_declarations_are_one_clear_error(argv, message):
     with pytest.raises(SettingsError) as exc:
         load_settings(["serve", *argv], {})
     assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_native_model_refuses_another_kinds_keys(tmp_path):
+    cfg = tmp_path / "m.toml"
+    cfg.write_text('[[models]]\nname = "a"\nupstream = { urls = ["http://h/v1"] }\n')
+    with pytest.raises(SettingsError, match="upstream: the keys of another kind"):
+        load_settings(["serve", "--config", str(cfg)], {})
 
 
 @pytest.mark.parametrize("names", ['name = "a"\naliases = [" pad"]', 'name = "x\\ny"', 'name = "a "'])
