@@ -9,11 +9,14 @@ stream) is turned into one equivalent chunk: ``message`` becomes ``delta``, tool
 ``finish_reason`` and ``tool_call_pieces`` read members of a chunk's choice as the gateway's types.
 
 Raises (while iterating): ``UpstreamError`` (502) when the upstream sends an error event (``{"error":
-...}``), data that is not a JSON object, goes silent past its read timeout, or breaks the connection.
+...}``), data that is not a JSON object, an event, a line or a JSON answer over 4 MiB (read no further:
+memory stays bounded whatever the upstream sends), goes silent past its read timeout, or breaks the
+connection.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any, get_args
 
@@ -24,7 +27,10 @@ from gateway.generation.events import FinishReason
 from gateway.tools.parser import ToolCallDelta
 from gateway.upstream.errors import UpstreamError
 
-_MAX_EVENT_BYTES = 4 * 1024 * 1024  # one SSE event; beyond it the upstream is broken
+_MAX_EVENT_BYTES = (
+    4 * 1024 * 1024
+)  # one SSE event (and one line, one JSON answer); beyond it the upstream is broken
+_EOL = re.compile(r"\r\n|\r|\n")  # SSE's line ends
 _REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 
 
@@ -67,12 +73,16 @@ async def chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     """The chunk objects of ``resp`` in order (see the module docstring)."""
     try:
         if resp.headers.get("content-type", "").startswith("application/json"):
-            body = await resp.aread()
+            body = bytearray()
+            async for piece in resp.aiter_bytes():
+                body += piece
+                if len(body) > _MAX_EVENT_BYTES:
+                    raise UpstreamError("The upstream model server sent an answer over 4 MiB.")
             yield _as_chunk(_decoded(body.decode("utf-8", errors="replace")))
             return
         data: list[str] = []
         size = 0
-        async for line in resp.aiter_lines():
+        async for line in _lines(resp):
             if line == "":
                 if data:
                     joined = "\n".join(data)
@@ -95,6 +105,28 @@ async def chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         raise UpstreamError("The upstream model server went silent past its read timeout.") from None
     except httpx.HTTPError:
         raise UpstreamError("The upstream model server broke off the answer.") from None
+
+
+async def _lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The text lines of ``resp`` without their ends (``\r\n``, ``\r`` or ``\n``; a ``\r`` that ends a piece
+    waits for the next, which may start with its ``\n``). Unlike ``httpx.Response.aiter_lines``, which holds
+    a line until its end arrives, a line is never held past ``_MAX_EVENT_BYTES`` characters.
+
+    Raises:
+        UpstreamError: a line longer than that (an upstream that streams without line ends).
+    """
+    pending = ""
+    async for text in resp.aiter_text():
+        pending += text
+        tail = "\r" if pending.endswith("\r") else ""
+        parts = _EOL.split(pending[: len(pending) - len(tail)])
+        pending = parts.pop() + tail
+        for line in parts:
+            yield line
+        if len(pending) > _MAX_EVENT_BYTES:
+            raise UpstreamError("The upstream model server sent a line over 4 MiB.")
+    if pending.rstrip("\r"):
+        yield pending.rstrip("\r")
 
 
 def finish_reason(value: object) -> FinishReason:
