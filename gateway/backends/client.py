@@ -140,9 +140,7 @@ class BackendClient:
             OSError: nothing listens at ``url``.
             AuthenticationFailed: the backend refused our proof, gave none or a wrong one, or asked for a
                 secret we do not have (or we have none for a TCP link).
-            ProtocolError: the backend answered ``Fatal``, another protocol version, or garbage, or broke
-                off the handshake (a TLS listener given a tcp:// URL, or a plain one a tls:// URL: the
-                message says which URL to use).
+            ProtocolError: the backend answered ``Fatal``, another protocol version, garbage, or hung up.
             trio.TooSlowError: no ``Ready`` within ``timeout`` seconds.
         """
         credentials = credentials or LinkCredentials()
@@ -155,7 +153,6 @@ class BackendClient:
             )
         decoder = from_backend_decoder()
         buffered: list = []
-        # a TLS listener drops the plain Hello it cannot read: say so on a tcp:// URL
         hint = " (a backend listening with TLS has a tls:// URL)" if url.startswith("tcp://") else ""
 
         async def receive() -> FromBackend:
@@ -198,11 +195,10 @@ class BackendClient:
                 raise AuthenticationFailed(f"backend {url} gave a wrong proof of the shared secret")
             if network and not challenged:
                 raise AuthenticationFailed(f"backend {url} did not prove the shared secret (it has none)")
-        except trio.BrokenResourceError as exc:
+        except trio.BrokenResourceError as exc:  # e.g. a TLS listener dropping a plain Hello
             await trio.aclose_forcefully(stream)
-            raise ProtocolError(
-                f"backend {url} broke off the handshake: {exc.__cause__ or exc}{hint}"
-            ) from None
+            why = exc.__cause__ or exc
+            raise ProtocolError(f"backend {url} broke off the handshake: {why}{hint}") from None
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
