@@ -59,9 +59,13 @@ async def readyz(request: Request) -> Response:
     else:
         waiting = next(m for m in catalog if not m.is_ready())
         unavailable = waiting.pool.unavailable_error() if waiting.pool is not None else None
-        err = unavailable or ServiceUnavailable(
-            f"no backend of the model '{waiting.name}' ready", code="backend_unavailable"
-        )
+        if unavailable is not None:  # the pool's message does not know its model's name: prefix it
+            err = ServiceUnavailable(f"model '{waiting.name}': {unavailable.message}", code=unavailable.code)
+            err.headers.update(unavailable.headers)
+        else:
+            err = ServiceUnavailable(
+                f"no backend of the model '{waiting.name}' ready", code="backend_unavailable"
+            )
     return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
 

@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-Count = Annotated[int, Meta(ge=0)]
+Count = Annotated[int, Meta(ge=0, le=2**53 - 1)]  # JSON-exact and within PostgreSQL/Redis int64
 Window = Annotated[float, Meta(ge=0.01, le=86400, description="refill window of rpm/tpm, seconds")]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
 KeyName = Annotated[str, Meta(max_length=128)]

@@ -344,6 +344,7 @@ async def test_limits_put_takes_the_whole_object_patch_a_part(env):
         ({**limits(), "rpm": "x"}, "rpm", "invalid_type"),
         ({**limits(), "daily_tokens": 1.5}, "daily_tokens", "invalid_type"),
         ({**limits(), "tpm": -1}, "tpm", "invalid_value"),
+        ({**limits(), "tpm": 2**53}, "tpm", "invalid_value"),  # beyond int64-safe storage
         ({**limits(), "window_s": 0}, "window_s", "invalid_value"),
         ({**limits(), "rpm": True}, "rpm", "invalid_type"),
         ({**limits(), "burst": 3}, "burst", "unknown_parameter"),

@@ -275,6 +275,8 @@ def test_backend_that_keeps_dying_backs_off_then_is_unavailable(fault_gateway):
         assert 1 <= int(r.headers["retry-after"]) <= 30, r.headers
         rz = httpx.get(gw.base_url + "/readyz", timeout=10)
         assert rz.status_code == 503 and rz.json()["error"]["code"] == "model_unavailable", rz.text
+        assert rz.json()["error"]["message"].startswith(f"model '{gw.model}': "), rz.text  # names the model
+        assert 1 <= int(rz.headers["retry-after"]) <= 30, rz.headers
         st = backend_state(gw)
         assert st["state"] == "unavailable" and st["failures"] >= MAX_FAILURES, st
         assert len(reaper.spawned) == MAX_FAILURES, reaper.spawned  # no attempt since
