@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -591,4 +592,170 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
         if (!((bits >> b) & 1u)) row[base + b] = ninf;
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// q4_gemm: y [M, N] = x [M, K] @ W.T for 4-bit (Q4_1-style: w = d*q + m, q in 0..15, one (d, m) per 32
+// k) or 8-bit (w = s*(c - 128), c in 0..255, one s per output column) weights, row-invariant.
+// The llama.cpp way (ggml's Q4_1 x Q8_1 dot, ggml_vec_dot_q4_1_q8_1): each row of x is quantized to
+// int8 per 32-element group (d_x = max|x|/127, q_x = round(x/d_x), s_x = d_x*sum(q_x)) from that row
+// alone; per (row, group) the int32 dot of the codes (u8) with q_x (s8) is taken with VPDPBUSD (exact
+// integers), then, in float32 and in group order, acc = fma(cvt(isum), d_w*d_x, acc);
+// acc = fma(m_w, s_x, acc). The same compiled sequence serves every row whatever the row block, the batch
+// or the thread split (threads split N only, never K), so a row's bits depend on that row alone.
+// Weight layout (wq, uint8): per 16-column block nb and group g, 4-bit: 4 x 64 bytes, vector v byte
+// 4*col + j = code[col][32g + 8v + j] | code[col][32g + 8v + 4 + j] << 4; 8-bit: 8 x 64 bytes, vector c
+// byte 4*col + j = code[col][32g + 4c + j]. Scales (ws, float32): [N/16, G, 2, 16] = (d_w, m_w).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+constexpr int Q_ROWS = 4;
+
+template <int BITS>
+static inline void q_unpack(const uint8_t* p, __m512i* w) {
+  if constexpr (BITS == 4) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i b = _mm512_loadu_si512(p + 64 * v);
+      w[2 * v] = _mm512_and_si512(b, lo);
+      w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo);
+    }
+  } else {
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + 64 * c);
+  }
+}
+
+// R rows (R <= Q_ROWS) x one 16-column block: out[r][0..16) in float32.
+template <int R, int BITS>
+static inline void q_block(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
+                           int64_t K, int64_t G, __m512* acc) {
+  constexpr int64_t gbytes = BITS == 4 ? 256 : 512;
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i w[8];
+    q_unpack<BITS>(wq + g * gbytes, w);
+    __m512i is[R];
+    for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, qx + r * K + g * 32 + 4 * c, 4);
+        is[r] = _mm512_dpbusd_epi32(is[r], w[c], _mm512_set1_epi32(xv));
+      }
+    }
+    const __m512 dw = _mm512_loadu_ps(ws + g * 32), mw = _mm512_loadu_ps(ws + g * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dwdx = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), dwdx, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * G + g]), acc[r]);
+    }
+  }
+}
+
+template <typename TO>
+static inline void q_store(TO* o, __m512 v) {
+  if constexpr (std::is_same<TO, float>::value) {
+    _mm512_storeu_ps(o, v);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+template <int R, int BITS, typename TO>
+static inline void q_rows(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
+                          int64_t K, int64_t G, TO* out, int64_t N) {
+  __m512 acc[R];
+  q_block<R, BITS>(wq, ws, qx, dx, sx, K, G, acc);
+  for (int r = 0; r < R; ++r) q_store<TO>(out + r * N, acc[r]);
+}
+
+// Row-local Q8_1 quantization of x [M, K] (bf16 or f32): qx [M, K] s8, dx / sx [M, G] f32.
+template <typename TI>
+static void q8_rows(const TI* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      float v[32];
+      const TI* xp = x + m * K + g * 32;
+      for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(xp[i]);
+      __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = amax / 127.0f;
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + m * K + g * 32), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + m * K + g * 32 + 16), _mm512_cvtsepi32_epi8(qb));
+      const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      dx[m * G + g] = d;
+      sx[m * G + g] = d * static_cast<float>(s);
+    }
+  }
+}
+
+template <int BITS, typename TO>
+static void q_gemm_impl(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
+                        int64_t M, int64_t K, int64_t N, TO* out) {
+  const int64_t G = K / 32, NB = N / 16;
+  const int64_t wblock = G * (BITS == 4 ? 256 : 512);
+  at::parallel_for(0, NB, 1, [&](int64_t b, int64_t e) {
+    for (int64_t nb = b; nb < e; ++nb) {
+      const uint8_t* w = wq + nb * wblock;
+      const float* s = ws + nb * G * 32;
+      int64_t m = 0;
+      for (; m + Q_ROWS <= M; m += Q_ROWS)
+        q_rows<Q_ROWS, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N);
+      switch (M - m) {
+        case 3: q_rows<3, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
+        case 2: q_rows<2, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
+        case 1: q_rows<1, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif
+
+bool q4_gemm_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor wq, torch::Tensor ws, int64_t n, int64_t bits) {
+  TORCH_CHECK(q4_gemm_supported(), "q4_gemm needs AVX-512 BW/VNNI/BF16");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "x: contiguous bfloat16/float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = n;
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0 && N > 0, "K must be a multiple of 32 and N of 16");
+  const int64_t G = K / 32;
+  TORCH_CHECK(wq.scalar_type() == torch::kUInt8 && wq.is_contiguous() && wq.numel() == N * K * bits / 8,
+              "wq: contiguous uint8 of N*K*bits/8 bytes");
+  TORCH_CHECK(ws.scalar_type() == torch::kFloat32 && ws.is_contiguous() && ws.numel() == (N / 16) * G * 32,
+              "ws: contiguous float32 [N/16, K/32, 2, 16]");
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  pybind11::gil_scoped_release no_gil;
+  if (x.scalar_type() == torch::kBFloat16)
+    q8_rows(x.data_ptr<at::BFloat16>(), M, K, qx.data(), dx.data(), sx.data());
+  else
+    q8_rows(x.data_ptr<float>(), M, K, qx.data(), dx.data(), sx.data());
+  const uint8_t* w = wq.data_ptr<uint8_t>();
+  const float* s = ws.data_ptr<float>();
+  if (x.scalar_type() == torch::kBFloat16) {
+    auto* o = out.data_ptr<at::BFloat16>();
+    if (bits == 4) q_gemm_impl<4>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
+    else q_gemm_impl<8>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
+  } else {
+    float* o = out.data_ptr<float>();
+    if (bits == 4) q_gemm_impl<4>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
+    else q_gemm_impl<8>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
+  }
+#endif
+  return out;
 }

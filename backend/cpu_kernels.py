@@ -126,6 +126,8 @@ def _build():
                 "silu_mul",
                 "rope_write_kv",
                 "apply_token_bitmask",
+                "q4_gemm",
+                "q4_gemm_supported",
             ],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
@@ -167,6 +169,79 @@ def paged_decode(
     return mod.paged_decode(
         query.float().contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale)
     )
+
+
+def q4_ready() -> bool:
+    """True when the extension is built with ``q4_gemm`` (AVX-512 BW/VNNI/BF16 at compile time)."""
+    mod = load()
+    return mod is not None and hasattr(mod, "q4_gemm") and bool(mod.q4_gemm_supported())
+
+
+def q4_pack(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repack 4-bit groups for ``q4_gemm`` (the VNNI layout: one 64-byte vector = 16 columns x 4 consecutive k).
+
+    Args:
+        codes: ``[N, K] uint8`` in ``0..15``; ``scale``, ``zero``: ``[N, K/32] float32`` with
+            ``w = (code - 8) * scale + zero`` (``backend.loaders.gguf.q4_groups``). ``N % 16 == 0``, ``K % 32 == 0``.
+
+    Returns:
+        ``(wq [N*K/2] uint8, ws [N/16, K/32, 2, 16] float32)``: per 16-column block and group, 4 vectors whose
+        byte ``4*col + j`` holds ``code[col][32g + 8v + j]`` (low nibble) and ``code[col][32g + 8v + 4 + j]``
+        (high nibble); ``ws`` holds ``d_w = scale`` and ``m_w = zero - 8*scale`` (Q4_1: ``w = d_w*code + m_w``).
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16 or ``K`` of 32.
+    """
+    n, k = codes.shape
+    if n % 16 or k % 32 or scale.shape != (n, k // 32):
+        raise ValueError(f"q4_pack: N={n} must be a multiple of 16, K={k} of 32 (one scale per 32 k)")
+    g = k // 32
+    c = codes.to(torch.uint8).reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4)  # [NB, G, 8 chunks, 16, 4]
+    wq = (c[:, :, 0::2] | (c[:, :, 1::2] << 4)).contiguous().reshape(-1)
+    return wq, _scales(scale.float(), zero.float() - 8.0 * scale.float())
+
+
+def q8_pack(w8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repack per-row symmetric int8 weights (``w = scale[n] * w8[n, k]``, ``w8 [N, K] int8``, ``scale [N]``) for
+    ``q4_gemm(..., bits=8)``: codes ``w8 + 128`` as uint8, 8 vectors of 16 columns x 4 k per group, and
+    ``ws [N/16, K/32, 2, 16] float32`` = ``(scale, -128*scale)``, so the same Q8_1 dot applies.
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16 or ``K`` of 32.
+    """
+    n, k = w8.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"q8_pack: N={n} must be a multiple of 16, K={k} of 32")
+    g = k // 32
+    c = (w8.to(torch.int16) + 128).to(torch.uint8).reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4)
+    s = scale.float()[:, None].expand(n, g)
+    return c.contiguous().reshape(-1), _scales(s, -128.0 * s)
+
+
+def _scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``d, m [N, G]`` -> ``[N/16, G, 2, 16]`` float32 (per 16-column block and group: 16 d's, then 16 m's)."""
+    n, g = d.shape
+    return torch.stack([d, m], 0).reshape(2, n // 16, 16, g).permute(1, 3, 0, 2).contiguous()
+
+
+def q4_gemm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n: int, bits: int = 4) -> torch.Tensor:
+    """``x [M, K] (bfloat16 or float32) @ W.T -> [M, N]`` (x's dtype) for weights packed by ``q4_pack``
+    (``bits=4``) or ``q8_pack`` (``bits=8``); row-invariant: a row's bits depend only on that row.
+
+    Each row of ``x`` is quantized to int8 per 32 values (Q8_1: ``d_x = max|x|/127``, ``s_x = d_x*sum(q_x)``),
+    each (row, group) dot is an exact int32 (``VPDPBUSD``), and the groups are folded in float32 in
+    k order: ``acc += d_w*d_x*isum + m_w*s_x``. Source followed: ggml's ``ggml_vec_dot_q4_1_q8_1``
+    (llama.cpp). Threads split N only, so the result does not depend on the thread count either.
+
+    Raises:
+        RuntimeError: the kernel is unavailable (``q4_ready()`` false) or bad shapes/dtypes.
+    """
+    mod = load()
+    if mod is None or not hasattr(mod, "q4_gemm"):
+        raise RuntimeError("CPU q4_gemm kernel unavailable")
+    return mod.q4_gemm(x.contiguous(), wq, ws, int(n), int(bits))
 
 
 if __name__ == "__main__":  # `python -m backend.cpu_kernels`: build (or find) the extension now; never fails

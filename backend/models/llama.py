@@ -290,9 +290,31 @@ class Linear:
     ``int4_max_rows`` rows use ``torch.ops.aten._weight_int4pack_mm_for_cpu`` instead (reads 4 bits
     per weight; the same matmul against the same dequantized weights up to float rounding; off by
     default since the prepacked bf16 path measured as fast at 1 row and faster at 8).
+
+    The quantized path (``_quantized``: the generated rows of ``RowRoles``, or ``int4_max_rows``), in bfloat16
+    on CPU with the C++ extension built with AVX-512 VNNI/BF16 (``cpu_kernels.q4_ready``): ``qg = (wq, ws,
+    bits)`` for ``cpu_kernels.q4_gemm``, the 4-bit groups repacked at load (``cpu_kernels.q4_pack``; bits 4) or,
+    for the LM head, the per-row int8 copy ``w8`` (``cpu_kernels.q8_pack``; bits 8): ggml's Q4_1 x Q8_1 dot
+    (llama.cpp; x quantized to int8 per 32 values, row by row), each output row's bits independent of the
+    row count, the other rows and the thread count, and sub-linear in rows (one weight load serves 4 rows).
+    torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` are the fallback (``packed`` is built
+    only then, or with ``int4_max_rows``). ``N % 16`` and ``K % 32`` must be 0 for ``qg``, else the fallback.
     """
 
-    __slots__ = ("w", "b", "n", "onednn", "tiles", "packed", "sz", "group", "int4_max_rows", "w8", "w8_scale")
+    __slots__ = (
+        "w",
+        "b",
+        "n",
+        "onednn",
+        "tiles",
+        "packed",
+        "sz",
+        "group",
+        "int4_max_rows",
+        "w8",
+        "w8_scale",
+        "qg",
+    )
 
     def __init__(
         self,
@@ -318,12 +340,27 @@ class Linear:
             scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
             self.w8 = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
             self.w8_scale = scale.to(dtype)
+        self.qg = None  # (wq, ws, bits) for cpu_kernels.q4_gemm: the row-invariant Q4_1/Q8_1 VNNI matmul
+        use_q4_gemm = int8_small or q4 is not None
+        if (
+            use_q4_gemm
+            and dtype == torch.bfloat16
+            and torch.device(device).type == "cpu"
+            and self.n % 16 == 0
+        ):
+            from backend import cpu_kernels
+
+            if w.shape[1] % 32 == 0 and cpu_kernels.q4_ready():
+                if q4 is not None and q4[1].shape[1] * 32 == w.shape[1]:
+                    self.qg = (*cpu_kernels.q4_pack(*q4), 4)
+                elif q4 is None and self.w8 is not None:
+                    self.qg = (*cpu_kernels.q8_pack(self.w8, self.w8_scale), 8)
         if self.onednn is not None:
             self.w = None  # the packed copy is all the matmul needs: do not keep the weight twice
         self.packed = self.sz = None
         self.group = 32
         self.int4_max_rows = int4_max_rows
-        if q4 is not None:
+        if q4 is not None and (self.qg is None or int4_max_rows > 0):  # torch's int4pack: the fallback
             codes, scale, zero = q4
             n, k = codes.shape
             self.group = k // scale.shape[1]
@@ -337,7 +374,7 @@ class Linear:
 
         ``roles``: the generated rows take the packed int4 (or int8) weights when this layer has them,
         the others the dense ones (see ``RowRoles``); None: every row is a prompt row."""
-        quant = self.packed is not None or self.w8 is not None
+        quant = self.packed is not None or self.w8 is not None or self.qg is not None
         if roles is not None and quant:
             if roles.prompt is None:
                 return self._quantized(x)
@@ -350,7 +387,14 @@ class Linear:
         return self._dense(x)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        """``x [M, K]`` -> ``[M, N]`` from the quantized weights: ``cpu_kernels.q4_gemm`` (row-invariant, ggml's
+        Q4_1 x Q8_1 dot; int8 for the LM head) when built, else torch's int4pack / int8pack kernels."""
+        if self.qg is not None:
+            from backend import cpu_kernels
+
+            wq, ws, bits = self.qg
+            y = cpu_kernels.q4_gemm(x, wq, ws, self.n, bits)
+        elif self.packed is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w8_scale)
