@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     the Redis, browser and proxy tests would otherwise be skipped and the suite pass without them."""
     if os.environ.get("LLM_GATEWAY_REQUIRE_SYSDEPS") == "1" and (missing := _missing_system_packages()):
         pytest.exit(f"system packages missing: {', '.join(missing)} (run scripts/sysdeps.sh)", returncode=3)
+    # the suite's own probe cache (backend.probe_cache), shared by every backend it starts: the first
+    # probes for real, the rest read the answers; a user's ~/.cache is neither read nor written
+    os.environ["LLM_GATEWAY_CACHE_DIR"] = tempfile.mkdtemp(prefix="llm-gateway-probes-")
 
 
 # Area plugins (tests/ is on sys.path through this rootdir conftest).

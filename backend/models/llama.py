@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from backend import cpu_kernels
+from backend import cpu_kernels, probe_cache
 from backend.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -189,6 +189,13 @@ _row_tile_cache: dict[tuple, tuple[int, ...]] = {}
 
 
 def _onednn_mm(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ packed`` (+ ``b``) through oneDNN; a single row is sent as two (the row twice).
+
+    oneDNN serves one row with a GEMV kernel whose reduction order differs from its GEMM's (measured:
+    float32, every SmolLM2 shape, 1 and 2 threads: 1 row gave other bits than the same row among 2..64),
+    so a lone row takes the GEMM path like every other row count."""
+    if x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, b, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
@@ -205,7 +212,8 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     weight: the largest ``c`` of ``ROW_TILE_CANDIDATES`` whose every row count ``1..c`` gives the rows
     of the ``c``-row call bit for bit, plus ``ROW_TILE_LARGE`` when its rows equal those too; each on
     one thread and on the thread count at load (the backend may change between the two under
-    contention), which must agree as well.
+    contention), which must agree as well. The answer is kept on disk for the next process
+    (``backend.probe_cache``, keyed by the machine, the library versions and the call).
 
     Returns:
         ``(ROW_TILE_LARGE, c)`` or ``(c,)``; ``Linear`` splits a batch into calls of these sizes
@@ -216,6 +224,11 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     got = _row_tile_cache.get(key)
     if got is not None:
         return got
+    disk_key = f"row_tiles|{tuple(packed.shape)}|{k}|{dtype}|{b is not None}|{threads}"
+    stored = probe_cache.get(disk_key)
+    if stored is not None:
+        _row_tile_cache[key] = tuple(stored)
+        return _row_tile_cache[key]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(ROW_TILE_LARGE, k, generator=gen).to(dtype)
     counts = sorted({1, threads})  # the backend may drop to one thread under contention (and back)
@@ -241,6 +254,7 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     large_ok = torch.equal(full[:small], _onednn_mm(x[:small], packed, b)) and same_rows(ROW_TILE_LARGE, full)
     tiles = (ROW_TILE_LARGE, small) if large_ok else (small,)
     _row_tile_cache[key] = tiles
+    probe_cache.put(disk_key, list(tiles))
     return tiles
 
 
