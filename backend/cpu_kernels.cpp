@@ -223,51 +223,111 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// AVX-512 path for head_dim 64: per KV head (outer) and token (inner), q rows and output accumulators
-// stay in registers (g <= 4 query heads per KV head: 16 + 16 zmm).
-template <typename T, int G>
-void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t L, T* out, int64_t nh,
-                       int64_t nkv, int64_t bs, int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
+// The 16 lane sums of 16 vectors in one fixed order: out[i] = the sum of part[16 i .. 16 i + 15] (a 4-level
+// shuffle/add tree over 128-bit, 64-bit and 32-bit halves, then one permute), 46 instructions for 16
+// scores where one _mm512_reduce_add_ps per score took 8. Not inlined: one compiled instance serves every
+// row, so -ffast-math cannot reassociate it differently for a decode and for a prefill tile.
+__attribute__((noinline)) __m512 hsum16(const float* part) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = _mm512_load_ps(part + 32 * i), y = _mm512_load_ps(part + 32 * i + 16);
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // d[4k + m] holds vector 4m + k's sum
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), d);
+}
+
+// P.V for NP query positions (NP * G rows) of one KV head, accumulators in registers: row r adds p[r][t] v[t]
+// for its own t < len only, in key order (the same FMA chain whatever NP or the tile).
+template <typename T, int G, int NP>
+inline void pv_rows(const T* vc, const int32_t* table, int64_t Lmax, const int32_t* lens, const float* scores, int64_t Lp,
+                    const float* inv, T* out, int64_t nh, int64_t rec, int64_t bs, int64_t h) {
   constexpr int HD = 64;
-  const int64_t rec = nkv * HD;
-  const int64_t Lp = pad16(L);
-  float* scores = aligned_scratch(buf, G * Lp);
-  for (int64_t h = h0; h < h1; ++h) {
-    __m512 qv[G][4];
-    for (int j = 0; j < G; ++j)
-      for (int c = 0; c < 4; ++c) qv[j][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + j) * HD + 16 * c), _mm512_set1_ps(scale));
-    for (int64_t t = 0; t < L; ++t) {
-      const T* kp = paged_row<T>(kc, table, t, L, bs, rec, h * HD, HD);
-      const __m512 k0 = load16(kp), k1 = load16(kp + 16), k2 = load16(kp + 32), k3 = load16(kp + 48);
+  __m512 acc[NP * G][4];
+  for (int r = 0; r < NP * G; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < Lmax; ++t) {
+    const T* vp = paged_row<T>(vc, table, t, Lmax, bs, rec, h * HD, HD);
+    const __m512 v0 = load16(vp), v1 = load16(vp + 16), v2 = load16(vp + 32), v3 = load16(vp + 48);
+    for (int i = 0; i < NP; ++i) {
+      if (t >= lens[i]) continue;
       for (int j = 0; j < G; ++j) {
-        __m512 a = _mm512_mul_ps(qv[j][0], k0);
-        a = _mm512_fmadd_ps(qv[j][1], k1, a);
-        a = _mm512_fmadd_ps(qv[j][2], k2, a);
-        a = _mm512_fmadd_ps(qv[j][3], k3, a);
-        scores[j * Lp + t] = _mm512_reduce_add_ps(a);
+        const int r = i * G + j;
+        const __m512 p = _mm512_set1_ps(scores[r * Lp + t]);
+        acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
       }
     }
-    float inv[G];
-    for (int j = 0; j < G; ++j) inv[j] = 1.f / softmax_numerators(scores + j * Lp, L);
-    __m512 acc[G][4];
-    for (int j = 0; j < G; ++j)
-      for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const T* vp = paged_row<T>(vc, table, t, L, bs, rec, h * HD, HD);
-      const __m512 v0 = load16(vp), v1 = load16(vp + 16), v2 = load16(vp + 32), v3 = load16(vp + 48);
-      for (int j = 0; j < G; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * Lp + t]);
-        acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
-        acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
-        acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
-        acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
-      }
-    }
+  }
+  for (int i = 0; i < NP; ++i)
     for (int j = 0; j < G; ++j) {
+      const int r = i * G + j;
       alignas(64) float tmp[HD];
-      for (int c = 0; c < 4; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
-      store_row<T>(tmp, out + (h * G + j) * HD, HD, 1.f);
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+      store_row<T>(tmp, out + (i * nh + h * G + j) * HD, HD, 1.f);
     }
+}
+
+//: query positions per tile of attend_tile_avx512 (one sequence's consecutive prefill rows share K/V loads)
+constexpr int TILE_POSITIONS = 4;
+
+// AVX-512 attention for head_dim 64 over a tile of nq <= TILE_POSITIONS query positions of one sequence
+// (q/out rows [nq, nh, 64], position i attends to keys [0, lens[i])), KV heads [h0, h1). Per KV head: each
+// key's K row is loaded once for the tile's nq * G query rows; a row's score for key t is the 4-FMA dot of
+// its scaled query with k_t, lane-summed 16 keys at a time by hsum16; then softmax_numerators over its own
+// len; then pv_rows. Every row's arithmetic is the same whatever nq, the other rows or the split (batch
+// invariance: a decode is the nq = 1 tile).
+template <typename T, int G>
+void attend_tile_avx512(const float* q, const T* kc, const T* vc, const int32_t* table, const int32_t* lens, int64_t nq,
+                        T* out, int64_t nh, int64_t nkv, int64_t bs, int64_t h0, int64_t h1, float scale,
+                        std::vector<float>& buf) {
+  constexpr int HD = 64;
+  const int64_t rec = nkv * HD, R = nq * G;
+  int64_t Lmax = 0;
+  for (int64_t i = 0; i < nq; ++i) Lmax = std::max<int64_t>(Lmax, lens[i]);
+  const int64_t Lp = pad16(Lmax);
+  float* scores = aligned_scratch(buf, R * Lp + R * 256 + R * HD + R);  // [R, Lp]
+  float* part = scores + R * Lp;                                         // [R, 16 keys, 16 lanes]
+  float* qs = part + R * 256;                                            // [R, 64] scaled queries
+  float* inv = qs + R * HD;                                              // [R]
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t i = 0; i < nq; ++i)
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < 4; ++c)
+          _mm512_store_ps(qs + (i * G + j) * HD + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(q + (i * nh + h * G + j) * HD + 16 * c), sc));
+    for (int64_t t0 = 0; t0 < Lmax; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, Lmax - t0);
+      for (int64_t tt = 0; tt < n; ++tt) {
+        const T* kp = paged_row<T>(kc, table, t0 + tt, Lmax, bs, rec, h * HD, HD);
+        const __m512 k0 = load16(kp), k1 = load16(kp + 16), k2 = load16(kp + 32), k3 = load16(kp + 48);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = qs + r * HD;
+          __m512 a = _mm512_mul_ps(_mm512_load_ps(qr), k0);
+          a = _mm512_fmadd_ps(_mm512_load_ps(qr + 16), k1, a);
+          a = _mm512_fmadd_ps(_mm512_load_ps(qr + 32), k2, a);
+          a = _mm512_fmadd_ps(_mm512_load_ps(qr + 48), k3, a);
+          _mm512_store_ps(part + r * 256 + tt * 16, a);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t tt = n; tt < 16; ++tt) _mm512_store_ps(part + r * 256 + tt * 16, _mm512_setzero_ps());
+        _mm512_store_ps(scores + r * Lp + t0, hsum16(part + r * 256));
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i)
+      for (int j = 0; j < G; ++j) inv[i * G + j] = 1.f / softmax_numerators(scores + (i * G + j) * Lp, lens[i]);
+    int64_t i = 0;
+    for (; i + 2 <= nq; i += 2)
+      pv_rows<T, G, 2>(vc, table, Lmax, lens + i, scores + i * G * Lp, Lp, inv + i * G, out + i * nh * HD, nh, rec, bs, h);
+    if (i < nq) pv_rows<T, G, 1>(vc, table, Lmax, lens + i, scores + i * G * Lp, Lp, inv + i * G, out + i * nh * HD, nh, rec, bs, h);
   }
 }
 #define HAVE_AVX512_DECODE 1
@@ -276,29 +336,53 @@ void decode_seq_avx512(const float* q, const T* kc, const T* vc, const int32_t* 
 template <typename T>
 void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* row_seq, const int32_t* lens,
                  T* out, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t W, float scale) {
-  // few sequences: split their KV heads over the threads; many: one whole sequence per task
-  const int64_t split = nd < 2 * at::get_num_threads() ? nkv : 1;
-  at::parallel_for(0, nd * split, 1, [&](int64_t begin, int64_t end) {
+  const int64_t g = nh / nkv;
+#ifdef HAVE_AVX512_DECODE
+  const bool tiled = hd == 64 && (g == 1 || g == 3 || g == 4);
+#else
+  const bool tiled = false;
+#endif
+  // tiles: runs of up to TILE_POSITIONS consecutive rows of one block-table row (a prefill chunk's rows;
+  // each decode row is a tile of one)
+  std::vector<int64_t> starts;
+  for (int64_t r = 0; r < nd;) {
+    starts.push_back(r);
+    const int64_t b = row_seq ? row_seq[r] : r;
+    int64_t e = r + 1;
+    if (tiled)
+      while (e < nd && e - r < TILE_POSITIONS && (row_seq ? row_seq[e] : e) == b) ++e;
+    r = e;
+  }
+  starts.push_back(nd);
+  const int64_t ntiles = static_cast<int64_t>(starts.size()) - 1;
+  // few tiles: split their KV heads over the threads; many: one whole tile per task
+  const int64_t split = ntiles < 2 * at::get_num_threads() ? nkv : 1;
+  at::parallel_for(0, ntiles * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / split, part = item % split;
+      const int64_t tile = item / split, part = item % split;
+      const int64_t r0 = starts[tile], nq = starts[tile + 1] - r0;
       const int64_t h0 = part * nkv / split, h1 = (part + 1) * nkv / split;
-      const int32_t* table = bt + (row_seq ? static_cast<int64_t>(row_seq[b]) : b) * W;
+      const int32_t* table = bt + (row_seq ? static_cast<int64_t>(row_seq[r0]) : r0) * W;
+      const float* qt = q + r0 * nh * hd;
+      T* ot = out + r0 * nh * hd;
 #ifdef HAVE_AVX512_DECODE
-      if (hd == 64 && nh / nkv == 3)
-        decode_seq_avx512<T, 3>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
-      else if (hd == 64 && nh / nkv == 4)
-        decode_seq_avx512<T, 4>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
-      else if (hd == 64 && nh / nkv == 1)
-        decode_seq_avx512<T, 1>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, bs, h0, h1, scale, buf);
-      else
+      if (tiled) {
+        if (g == 3)
+          attend_tile_avx512<T, 3>(qt, kc, vc, table, lens + r0, nq, ot, nh, nkv, bs, h0, h1, scale, buf);
+        else if (g == 4)
+          attend_tile_avx512<T, 4>(qt, kc, vc, table, lens + r0, nq, ot, nh, nkv, bs, h0, h1, scale, buf);
+        else
+          attend_tile_avx512<T, 1>(qt, kc, vc, table, lens + r0, nq, ot, nh, nkv, bs, h0, h1, scale, buf);
+        continue;
+      }
 #endif
       if (hd == 64)
-        decode_seq<T, 64>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+        decode_seq<T, 64>(qt, kc, vc, table, lens[r0], ot, nh, nkv, hd, bs, h0, h1, scale, buf);
       else if (hd == 128)
-        decode_seq<T, 128>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+        decode_seq<T, 128>(qt, kc, vc, table, lens[r0], ot, nh, nkv, hd, bs, h0, h1, scale, buf);
       else
-        decode_seq<T, 0>(q + b * nh * hd, kc, vc, table, lens[b], out + b * nh * hd, nh, nkv, hd, bs, h0, h1, scale, buf);
+        decode_seq<T, 0>(qt, kc, vc, table, lens[r0], ot, nh, nkv, hd, bs, h0, h1, scale, buf);
     }
   });
 }

@@ -3,12 +3,12 @@
 Every fixture chat plus 8 more prompts (a shared 500-token prefix among them), each greedy and seeded at
 temperature 0.8, 24 new tokens (EOS ignored): the tokens must be identical
 
-- alone, prefix caching off (the reference);
+- alone, prefix caching off (the reference: the alone case and the caching-off case);
 - all 28 requests at once (batches of up to 16 rows of mixed lengths, chunked prefill beside decodes),
-  prefix caching on and off;
-- all at once again, the prompts' blocks read from the prefix cache (a shared system prompt already hits it
-  the first time);
-- with preemption by recompute forced (a pool two blocks larger than one request).
+  prefix caching on (a shared system prompt, and each prompt's greedy twin, already hit it the first time);
+- all at once again, the prompts' blocks read from the prefix cache;
+- with preemption by recompute forced (a pool two blocks larger than one request, prefix caching off,
+  the requests under 200 tokens in one batch).
 
 Each output row is computed the same way whatever else is in the step (see
 docs/kernels.md, "Batch invariance"), so these hold exactly, not within a tolerance.
@@ -92,11 +92,6 @@ def test_prompt_cached_and_mixed_batch(runner, prompts, reference) -> None:
     hits = eng.stats().prefix_cache_hits
     assert _run(eng, items) == reference
     assert eng.stats().prefix_cache_hits - hits >= sum((len(p) - 1) // 16 * 16 for p, _ in items)
-
-
-def test_mixed_batch_prefix_caching_off(runner, prompts, reference) -> None:
-    eng = Engine(runner, max_num_seqs=16, enable_prefix_caching=False)
-    assert _run(eng, _requests(prompts)) == reference
 
 
 def test_preemption_forced(runner, prompts, reference) -> None:
