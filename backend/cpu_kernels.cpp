@@ -1,6 +1,7 @@
 // Paged-KV attention for the CPU, one kernel for decode and prefill: every query row attends to the keys
 // [0, len) of its sequence, K/V read in place from the block pool (no gather copy), float32 math, one
-// (query row, KV-head range) per task over torch's intra-op thread pool. Built at first use by
+// (tile, KV-head range) per task over torch's intra-op thread pool, a tile being up to 4 consecutive rows
+// of one sequence (a prefill chunk's; a decode row is a tile of one) that share each K/V row load. Built at first use by
 // backend/cpu_kernels.py (torch cpp_extension).
 //
 // Batch invariance: a row's result depends only on its query, its sequence's K/V and its length. The
