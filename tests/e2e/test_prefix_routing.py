@@ -1,5 +1,12 @@
 """Prefix-aware routing keeps each system prompt's KV blocks on one replica; least-loaded spreads them.
 
+The model: a tiny random-weight llama (``plugins.tiny_models``: hidden 64, 2 layers, 4 heads of 16) carrying
+the default model's (SmolLM2-135M's) GGUF tokenizer and chat template, written once per module into a
+temporary folder. Prefix-cache hits and prefix-aware routes depend only on the prompt's token ids and its
+KV block hashes, not on the weights, so the hit rates are the real model's (the rendered prompts are checked
+to equal the default model's ids) at a fraction of the prefill time. The real model's TTFT under both
+policies is measured by ``bench/routing.py`` and recorded in docs/perf.md.
+
 Two real backend processes (``python -m backend``, spawned by the gateway's own ``BackendSupervisor``s in
 one ``BackendPool``), each KV pool capped (``--num-kv-blocks``) to about half of 8 distinct ~600-token
 system prompts, and one uncapped replica. The same 8 x 16 chat prompts (the bench's ``workload``, rendered
@@ -10,7 +17,8 @@ uncapped replica. The prefix-cache hit rate is the backends' own count: hit toke
 (``Stats.prefix_cache_hits``, ``Stats.prompt_tokens``).
 
 Asserted: prefix-aware >= 85% of the uncapped rate and >= 20 points above least-loaded. The three rates are
-printed (``-s``).
+printed (``-s``). The admin test (list, drain, undrain) runs a private gateway with 2 backends of the same
+tiny model.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ def _bench_module():
 
 
 workload = _bench_module().workload
-CAP_BLOCKS = 176  # per capped replica: ~4.6 of the 8 prompts (38 full blocks each)
+CAP_BLOCKS = 176  # per capped replica: ~4.8 of the 8 prompts (37 blocks of 16 a request, 36 of them shared)
 IN_FLIGHT = 4
 
 
@@ -92,16 +100,31 @@ async def hit_rate(pool: BackendPool, prompts: list[list[int]], salt: str) -> fl
     return (after.prefix_cache_hits - before.prefix_cache_hits) / (after.prompt_tokens - before.prompt_tokens)
 
 
-async def test_prefix_routing_beats_least_loaded_and_nears_one_uncapped_replica(model_path):
-    tok = cached_tokenizer(model_path)
-    template = ChatTemplate(tok)
-    prompts = [
+@pytest.fixture(scope="module")
+def tiny_smollm2(tmp_path_factory, model_path: str) -> str:
+    """A GGUF file: tiny random llama weights (``TinySpec`` defaults: hidden 64, 2 layers, 4 heads of 16)
+    with every ``tokenizer.*`` key of the default model, its chat template among them."""
+    from plugins.tiny_models import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny-smollm2") / "tiny-smollm2.gguf"
+    return str(write_tiny_gguf(path, "llama", vocab=model_path, context_length=2048))
+
+
+def rendered(model: str) -> list[list[int]]:
+    """The workload's 8 x 16 chat prompts as token ids, rendered with ``model``'s tokenizer and template."""
+    template = ChatTemplate(cached_tokenizer(model))
+    return [
         template.render([{"role": "system", "content": s}, {"role": "user", "content": q}]).ids
         for _, s, q in workload(prompts=8, questions=16, seed=0)
     ]
+
+
+async def test_prefix_routing_beats_least_loaded_and_nears_one_uncapped_replica(tiny_smollm2, model_path):
+    prompts = rendered(tiny_smollm2)
+    assert prompts == rendered(model_path)  # the default model's tokens, hence its KV blocks
     assert 550 <= sum(map(len, prompts)) / len(prompts) <= 700  # ~600-token system prompts
-    capped = pool_of(model_path, 2, f"--num-kv-blocks={CAP_BLOCKS}", name="capped")
-    uncapped = pool_of(model_path, 1, name="uncapped")
+    capped = pool_of(tiny_smollm2, 2, f"--num-kv-blocks={CAP_BLOCKS}", name="capped")
+    uncapped = pool_of(tiny_smollm2, 1, name="uncapped")
     t0 = time.monotonic()
     async with trio.open_nursery() as nursery:
         await nursery.start(capped.run)
@@ -126,8 +149,9 @@ async def test_prefix_routing_beats_least_loaded_and_nears_one_uncapped_replica(
             f"(start {t1 - t0:.1f} s, runs {time.monotonic() - t1:.1f} s)"
         )
         with trio.CancelScope(shield=True):
-            await capped.stop()
-            await uncapped.stop()
+            async with trio.open_nursery() as stops:
+                stops.start_soon(capped.stop)
+                stops.start_soon(uncapped.stop)
         nursery.cancel_scope.cancel()
     assert rates["prefix"] >= 0.85 * rates["uncapped"], rates
     assert rates["prefix"] >= rates["least-loaded"] + 0.20, rates
@@ -138,8 +162,9 @@ def finished(gp: GatewayProc) -> dict[str, int]:
     return {b["name"]: b["stats"]["requests_finished"] for b in gp.stats()["backends"]}
 
 
-def test_admin_backends_list_drain_undrain(make_gateway):
-    gp = make_gateway("--backends", "2", "--threads", "1")
+def test_admin_backends_list_drain_undrain(make_gateway, tiny_smollm2):
+    gp = make_gateway("--backends", "2", "--threads", "1", "--model", tiny_smollm2)
+    assert gp.model == "tiny-smollm2"  # the file's stem
     url, A = gp.base_url + "/admin/v1/backends", gp.admin_headers()
     assert httpx.get(url, timeout=30).status_code == 401
     assert httpx.get(url, headers=gp.headers(), timeout=30).status_code == 403  # a tenant key
