@@ -184,6 +184,11 @@ def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
 ROW_TILE_CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
 #: one large row count tried beside the small ones, for long prefill chunks
 ROW_TILE_LARGE = 512
+#: row counts checked against a candidate ``c`` (those under ``c``, and ``c``): the smallest, and each
+#: multiple of 16 with its neighbours, where oneDNN's blocking changes (every count 1..64 was checked at
+#: first: only 1 differed, the float32 GEMV; the bf16 down projection's other bits were at 96 and 127-129).
+#: Each call reads the whole weight (the 49152 x 576 LM head: 5-20 ms), so the probe costs what it calls.
+ROW_PROBE_COUNTS = (1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64)
 
 _row_tile_cache: dict[tuple, tuple[int, ...]] = {}
 
@@ -209,8 +214,8 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     gave other bits for 96-129 rows (1 thread) and 200-256 rows (2 threads) than for 1-69, 257-2048;
     the other shapes of SmolLM2 were row-invariant everywhere. So each shape is probed once per
     process (cached by shape, dtype, bias and thread count), on random rows against the real packed
-    weight: the largest ``c`` of ``ROW_TILE_CANDIDATES`` whose every row count ``1..c`` gives the rows
-    of the ``c``-row call bit for bit, plus ``ROW_TILE_LARGE`` when its rows equal those too; each on
+    weight: the largest ``c`` of ``ROW_TILE_CANDIDATES`` whose row counts of ``ROW_PROBE_COUNTS`` up to ``c``
+    give the rows of the ``c``-row call bit for bit, plus ``ROW_TILE_LARGE`` when its rows equal those too; each on
     one thread and on the thread count at load (the backend may change between the two under
     contention), which must agree as well. The answer is kept on disk for the next process
     (``backend.probe_cache``, keyed by the machine, the library versions and the call).
@@ -247,7 +252,7 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     small = 1
     for c in ROW_TILE_CANDIDATES:
         ref = _onednn_mm(x[:c], packed, b)
-        if all(same_rows(m, ref) for m in range(1, c + 1)):
+        if all(same_rows(m, ref) for m in (*(m for m in ROW_PROBE_COUNTS if m < c), c)):
             small = c
             break
     full = _onednn_mm(x, packed, b)
