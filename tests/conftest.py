@@ -61,4 +61,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # Area plugins (tests/ is on sys.path through this rootdir conftest).
-pytest_plugins = ["plugins.gateway_server", "plugins.llama_cpp_sdist", "plugins.postgres_server"]
+pytest_plugins = [
+    "plugins.gateway_server",
+    "plugins.llama_cpp_sdist",
+    "plugins.postgres_server",
+    "plugins.tiny_smollm2",
+]

@@ -1,9 +1,12 @@
 """Several models served by one gateway (the model catalog, gateway/catalog.py), through the official ``openai``
 client, the Ollama API and the admin stats.
 
-One gateway for the module, declared by a TOML ``[[models]]`` config: the default GGUF in bfloat16 as
+One gateway for the module, declared by a TOML ``[[models]]`` config: one GGUF file in bfloat16 as
 ``smol-bf16`` (alias ``smol``) and the same file in float32 as ``smol-f32`` (alias ``smol-exact``, a KV pool of
-``F32_BLOCKS`` blocks, a ``context_length`` of ``F32_CONTEXT``), each with its own backend process. Checked:
+``F32_BLOCKS`` blocks, a ``context_length`` of ``F32_CONTEXT``), each with its own backend process. The file is
+``tiny_smollm2`` (``plugins.tiny_smollm2``): random tiny weights with the default model's tokenizer and chat
+template, so prompt-token counts are the default model's; the generated tokens are random, so only the
+structure of the answers is checked. Checked:
 
 * each request lands on its model's backend: the per-backend engine counters of ``/admin/v1/stats`` (each
   backend names its model) move only for the backend of the model asked for, by its name or an alias,
@@ -27,6 +30,7 @@ import httpx
 import openai
 import pytest
 from plugins.gateway_server import GatewayProc, start_gateway
+from plugins.tiny_smollm2 import TINY_CONTEXT
 
 from auth.principal import Principal
 from backend.protocol import ModelCard
@@ -36,18 +40,22 @@ from gateway.options import model_engine
 from gateway.settings import SettingsError, load_settings
 from ratelimit.core import Limits
 
+BF16_BLOCKS = 96
 F32_BLOCKS = 48
+BLOCK_SIZE = 16  # tokens per KV block (the backend's default)
 F32_CONTEXT = 512
 CONFIG = f"""
 [[models]]
 name = "smol-bf16"
 aliases = ["smol"]
+path = "{{path}}"
 dtype = "bfloat16"
-num_kv_blocks = 96
+num_kv_blocks = {BF16_BLOCKS}
 
 [[models]]
 name = "smol-f32"
 aliases = ["smol-exact"]
+path = "{{path}}"
 dtype = "float32"
 num_kv_blocks = {F32_BLOCKS}
 context_length = {F32_CONTEXT}
@@ -62,11 +70,13 @@ NAMES = {"smol-bf16": "smol-bf16", "smol": "smol-bf16", "smol-f32": "smol-f32", 
 
 
 @pytest.fixture(scope="module")
-def two_models(tmp_path_factory) -> GatewayProc:
+def two_models(tmp_path_factory, tiny_smollm2) -> GatewayProc:
     folder = tmp_path_factory.mktemp("models")
     (folder / "chatml.jinja").write_text(TEMPLATE)
     path = folder / "gateway.toml"
-    path.write_text(CONFIG.replace("{template}", str(folder / "chatml.jinja")))
+    path.write_text(
+        CONFIG.replace("{template}", str(folder / "chatml.jinja")).replace("{path}", tiny_smollm2)
+    )
     gp = start_gateway("--config", str(path), dtype=None)
     try:
         yield gp
@@ -124,12 +134,13 @@ def test_engine_settings_and_context_length_per_model(two_models):
     gp = two_models
     backends = {b["model"]: b["stats"] for b in gp.stats()["backends"]}
     assert backends["smol-f32"]["kv_blocks_total"] == F32_BLOCKS
-    assert backends["smol-bf16"]["kv_blocks_total"] == 96
+    assert backends["smol-bf16"]["kv_blocks_total"] == BF16_BLOCKS
     client = gp.openai(timeout=60)
     listed = {m.id: m.model_dump() for m in client.models.list().data}
     assert listed["smol-f32"]["dtype"] == "float32" and listed["smol-bf16"]["dtype"] == "bfloat16"
     assert listed["smol-exact"]["context_length"] == F32_CONTEXT
-    assert listed["smol"]["context_length"] > F32_CONTEXT
+    # smol-bf16 declares none: the file's own, capped by what its KV pool holds for one sequence
+    assert listed["smol"]["context_length"] == min(TINY_CONTEXT, BF16_BLOCKS * BLOCK_SIZE)
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
             model="smol-f32", messages=[{"role": "user", "content": "Hi"}], max_tokens=F32_CONTEXT

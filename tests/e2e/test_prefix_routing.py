@@ -1,8 +1,8 @@
 """Prefix-aware routing keeps each system prompt's KV blocks on one replica; least-loaded spreads them.
 
 The model: a tiny random-weight llama (``plugins.tiny_models``: hidden 64, 2 layers, 4 heads of 16) carrying
-the default model's (SmolLM2-135M's) GGUF tokenizer and chat template, written once per module into a
-temporary folder. Prefix-cache hits and prefix-aware routes depend only on the prompt's token ids and its
+the default model's (SmolLM2-135M's) GGUF tokenizer and chat template, written once per run into a
+temporary folder (the ``tiny_smollm2`` fixture, ``plugins.tiny_smollm2``). Prefix-cache hits and prefix-aware routes depend only on the prompt's token ids and its
 KV block hashes, not on the weights, so the hit rates are the real model's (the rendered prompts are checked
 to equal the default model's ids) at a fraction of the prefill time. The real model's TTFT under both
 policies is measured by ``bench/routing.py`` and recorded in docs/perf.md.
@@ -98,16 +98,6 @@ async def hit_rate(pool: BackendPool, prompts: list[list[int]], salt: str) -> fl
             nursery.start_soon(sender)
     after = await totals(pool)
     return (after.prefix_cache_hits - before.prefix_cache_hits) / (after.prompt_tokens - before.prompt_tokens)
-
-
-@pytest.fixture(scope="module")
-def tiny_smollm2(tmp_path_factory, model_path: str) -> str:
-    """A GGUF file: tiny random llama weights (``TinySpec`` defaults: hidden 64, 2 layers, 4 heads of 16)
-    with every ``tokenizer.*`` key of the default model, its chat template among them."""
-    from plugins.tiny_models import write_tiny_gguf
-
-    path = tmp_path_factory.mktemp("tiny-smollm2") / "tiny-smollm2.gguf"
-    return str(write_tiny_gguf(path, "llama", vocab=model_path, context_length=2048))
 
 
 def rendered(model: str) -> list[list[int]]:

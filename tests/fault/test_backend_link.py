@@ -1,8 +1,9 @@
 """The backend link over TCP and TLS: the shared-secret handshake both ways, refusals, a replica killed mid-stream.
 
-Two real backend processes (the default model) listen on loopback: ``plain`` on ``tcp://`` and ``tls`` on
+Two real backend processes listen on loopback: ``plain`` on ``tcp://`` and ``tls`` on
 ``tls://`` (a self-signed certificate for 127.0.0.1), both with the same secret file and a 1 s handshake
-limit. Checked:
+limit. They serve ``tiny_smollm2`` (``plugins.tiny_smollm2``: the default model's tokenizer and chat
+template on tiny random weights): nothing here reads the generated text, only its structure. Checked:
 
 * a ``tcp://`` listener without a secret does not start: one stderr line, exit 2, before any model load;
 * raw sockets without the proof, with a wrong proof, with garbage, an oversized handshake frame, an old
@@ -47,6 +48,10 @@ pytestmark = pytest.mark.slow
 ERROR_BOUND_S = 5.0  # seconds from kill -9 to the error event of a stream it served
 REFUSED_BOUND_S = 10.0  # seconds a first start with the wrong secret may take to fail
 HANDSHAKE_S = 1.0  # --handshake-timeout of the test backends
+#: tokens a stream of the kill test asks for (``ignore_eos``): near the tiny model's context, which decodes
+#: fast, so that every stream is still running when its replica is killed
+STREAM_TOKENS = 1900
+KV_BLOCKS = 1024  # per backend: 8 such streams (the tiny model's blocks are a few KiB each)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -55,15 +60,16 @@ HANDSHAKE_S = 1.0  # --handshake-timeout of the test backends
 class Backend:
     """One ``python -m backend`` on loopback; stderr goes to ``log``."""
 
-    def __init__(self, folder: Path, name: str, secret_file: Path, tls=None) -> None:
+    def __init__(self, folder: Path, name: str, model: str, secret_file: Path, tls=None) -> None:
         self.port = free_port()
         self.log = folder / f"{name}.log"
         self.tls = tls
         scheme = "tls" if tls else "tcp"
         self.url = f"{scheme}://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "backend", "--listen", f"tcp://127.0.0.1:{self.port}"]
+        self.args = [sys.executable, "-m", "backend", "--model", model]
+        self.args += ["--listen", f"tcp://127.0.0.1:{self.port}"]
         self.args += ["--secret-file", str(secret_file), "--handshake-timeout", str(HANDSHAKE_S)]
-        self.args += ["--num-kv-blocks", "128", "--max-num-seqs", "8", "--threads", "1"]
+        self.args += ["--num-kv-blocks", str(KV_BLOCKS), "--max-num-seqs", "8", "--threads", "1"]
         if tls:
             self.args += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
         env = {k: v for k, v in os.environ.items() if k != P.SECRET_ENV}
@@ -85,14 +91,15 @@ class Backend:
 
 
 @pytest.fixture(scope="module")
-def link(tmp_path_factory):
+def link(tmp_path_factory, tiny_smollm2):
     """``(secret bytes, secret file, TLS files, plain backend, TLS backend)``, both started at once."""
     folder = tmp_path_factory.mktemp("link")
     secret = os.urandom(32).hex().encode()
     secret_file = folder / "secret"
     secret_file.write_bytes(secret + b"\n")
     tls = self_signed(folder)
-    plain, tls_backend = Backend(folder, "plain", secret_file), Backend(folder, "tls", secret_file, tls)
+    plain = Backend(folder, "plain", tiny_smollm2, secret_file)
+    tls_backend = Backend(folder, "tls", tiny_smollm2, secret_file, tls)
     try:
         plain.wait_ready()
         tls_backend.wait_ready()
@@ -462,7 +469,7 @@ class Stream(threading.Thread):
         self.body = {
             "model": gw.model,
             "prompt": prompt,
-            "max_tokens": 400,
+            "max_tokens": STREAM_TOKENS,
             "stream": True,
             "ignore_eos": True,
         }
