@@ -57,7 +57,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit(f"system packages missing: {', '.join(missing)} (run scripts/sysdeps.sh)", returncode=3)
     # the suite's own probe cache (backend.probe_cache), shared by every backend it starts: the first
     # probes for real, the rest read the answers; a user's ~/.cache is neither read nor written
-    os.environ["LLM_GATEWAY_CACHE_DIR"] = tempfile.mkdtemp(prefix="llm-gateway-probes-")
+    _probe_dirs.append(tempfile.mkdtemp(prefix="llm-gateway-probes-"))
+    os.environ["LLM_GATEWAY_CACHE_DIR"] = _probe_dirs[-1]
+
+
+_probe_dirs: list[str] = []  # the probe cache directories this run created (removed at its end)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove the suite's probe cache (see ``pytest_sessionstart``); never a directory it did not create."""
+    for path in _probe_dirs:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # Area plugins (tests/ is on sys.path through this rootdir conftest).
