@@ -116,7 +116,9 @@ class BackendSupervisor:
         self._tmpdir: str | None = None
         if spawn is not None:
             self._tmpdir = tempfile.mkdtemp(prefix="gateway-backend-")
-            url = f"unix:{os.path.join(self._tmpdir, name + '.sock')}"
+            # a fixed file name in a directory of its own: the backend's name holds the model's served
+            # name, which may contain '/', a NUL or more than AF_UNIX's 108 bytes
+            url = f"unix:{os.path.join(self._tmpdir, 'backend.sock')}"
         self.url: str = url  # type: ignore[assignment]
         self.request_buffer = request_buffer
         self.max_failures = max_failures
