@@ -231,6 +231,8 @@ class ModelSettings(Section):
                 )
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
             raise ValueError("give kv_cache_memory or num_kv_blocks, not both")
+        if self.backend_url and self.replicas != 1:  # one replica per URL: a count would be ignored
+            raise ValueError("replicas: spawned backends only (with backend_url, each URL is one replica)")
         for url in self.backend_url:  # this model's own backends (the link's credentials: [backend])
             parse_backend_url(url)  # ValueError: a clear message naming the URL
 

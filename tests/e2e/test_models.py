@@ -304,6 +304,7 @@ def test_serve_model_flag_declares_models():
         (["--serve-model", "name=a,dtype=f8"], "model 'a': engine options"),
         (["--serve-model", "name=a,kind=mystery"], "kind must be native or openai"),
         (["--serve-model", "name=a,replicas=0"], "replicas"),
+        (["--serve-model", "name=a,backend_url=unix:/tmp/b.sock,replicas=3"], "each URL is one replica"),
         (["--serve-model", "name=a", "--serve-model", "name=a"], "'a' is declared by two models"),
         (["--serve-model", "name=a,name=b"], "'name' given twice"),
         (["--serve-model", "name=a,max_num_seqs=4,max_num_seqs=8"], "'max_num_seqs' given twice"),
