@@ -367,8 +367,6 @@ class Linear:
             and torch.device(device).type == "cpu"
             and self.n % 16 == 0
         ):
-            from backend import cpu_kernels
-
             if w.shape[1] % 32 == 0 and cpu_kernels.q4_ready():
                 if q4 is not None and q4[1].shape[1] * 32 == w.shape[1]:
                     self.qg = (*cpu_kernels.q4_pack(*q4), 4)
@@ -409,8 +407,6 @@ class Linear:
         """``x [M, K]`` -> ``[M, N]`` from the quantized weights: ``cpu_kernels.q4_gemm`` (row-invariant, ggml's
         Q4_1 x Q8_1 dot; int8 for the LM head) when built, else torch's int4pack / int8pack kernels."""
         if self.qg is not None:
-            from backend import cpu_kernels
-
             wq, ws, bits = self.qg
             y = cpu_kernels.q4_gemm(x, wq, ws, self.n, bits)
         elif self.packed is not None:
