@@ -190,8 +190,6 @@ ROW_TILE_LARGE = 512
 #: Each call reads the whole weight (the 49152 x 576 LM head: 5-20 ms), so the probe costs what it calls.
 ROW_PROBE_COUNTS = (1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64)
 
-_row_tile_cache: dict[tuple, tuple[int, ...]] = {}
-
 
 def _onednn_mm(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ packed`` (+ ``b``) through oneDNN; a single row is sent as two (the row twice).
@@ -213,7 +211,7 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     count: measured on the 2-core Xeon VM (AVX512-BF16 + AMX), bf16, the ``[576, 1536]`` down projection
     gave other bits for 96-129 rows (1 thread) and 200-256 rows (2 threads) than for 1-69, 257-2048;
     the other shapes of SmolLM2 were row-invariant everywhere. So each shape is probed once per
-    process (cached by shape, dtype, bias and thread count), on random rows against the real packed
+    process and machine (``backend.probe_cache``, by shape, dtype, bias and thread count), on random rows against the real packed
     weight: the largest ``c`` of ``ROW_TILE_CANDIDATES`` whose row counts of ``ROW_PROBE_COUNTS`` up to ``c``
     give the rows of the ``c``-row call bit for bit, plus ``ROW_TILE_LARGE`` when its rows equal those too; each on
     one thread and on the thread count at load (the backend may change between the two under
@@ -225,15 +223,10 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
         (large ones first), the last call taking the remainder (at most ``c`` rows).
     """
     threads = torch.get_num_threads()
-    key = (tuple(packed.shape), k, dtype, b is not None, threads)
-    got = _row_tile_cache.get(key)
-    if got is not None:
-        return got
-    disk_key = f"row_tiles|{tuple(packed.shape)}|{k}|{dtype}|{b is not None}|{threads}"
-    stored = probe_cache.get(disk_key)
+    key = f"row_tiles|{tuple(packed.shape)}|{k}|{dtype}|{b is not None}|{threads}"
+    stored = probe_cache.get(key)  # this process's answers, then the machine's file
     if stored is not None:
-        _row_tile_cache[key] = tuple(stored)
-        return _row_tile_cache[key]
+        return tuple(stored)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(ROW_TILE_LARGE, k, generator=gen).to(dtype)
     counts = sorted({1, threads})  # the backend may drop to one thread under contention (and back)
@@ -258,8 +251,7 @@ def row_tiles(packed: torch.Tensor, k: int, dtype: torch.dtype, b: torch.Tensor 
     full = _onednn_mm(x, packed, b)
     large_ok = torch.equal(full[:small], _onednn_mm(x[:small], packed, b)) and same_rows(ROW_TILE_LARGE, full)
     tiles = (ROW_TILE_LARGE, small) if large_ok else (small,)
-    _row_tile_cache[key] = tiles
-    probe_cache.put(disk_key, list(tiles))
+    probe_cache.put(key, list(tiles))
     return tiles
 
 

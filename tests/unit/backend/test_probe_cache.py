@@ -13,7 +13,6 @@ from backend.models import llama
 def test_row_tiles_stored_then_read_back_and_bad_files_are_misses(tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_GATEWAY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(probe_cache, "_memory", {})
-    monkeypatch.setattr(llama, "_row_tile_cache", {})
     w = torch.randn(64, 96)
     packed = llama.onednn_pack(w)
     assert packed is not None
@@ -25,7 +24,6 @@ def test_row_tiles_stored_then_read_back_and_bad_files_are_misses(tmp_path, monk
 
     # a new process (empty memory) reads the file instead of probing
     monkeypatch.setattr(probe_cache, "_memory", {})
-    monkeypatch.setattr(llama, "_row_tile_cache", {})
     key = next(iter(entry))
     data[probe_cache.fingerprint()][key] = [7]
     (tmp_path / "probes.json").write_text(json.dumps(data))
@@ -40,7 +38,6 @@ def test_row_tiles_stored_then_read_back_and_bad_files_are_misses(tmp_path, monk
     ):
         (tmp_path / "probes.json").write_text(text)
         monkeypatch.setattr(probe_cache, "_memory", {})
-        monkeypatch.setattr(llama, "_row_tile_cache", {})
         assert llama.row_tiles(packed, 96, torch.float32, None) == tiles
         assert json.loads((tmp_path / "probes.json").read_text())[probe_cache.fingerprint()][key] == list(
             tiles
