@@ -13,7 +13,8 @@ Fields:
     prompt_ids: prompt token ids (list[int], after the chat template).
     sampling: backend sampling parameters: ``n``, ``max_tokens`` (resolved against the context), penalties,
         seed, ``logprobs``/``top_logprobs``...
-    stops: stop strings (normalized, non-empty); include_stop: keep the matched stop string in the text.
+    stops: stop strings (normalized, non-empty); include_stop: keep the matched stop string in the text;
+    skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text (vLLM's default).
     stream: the client asked for a stream; include_usage: OpenAI ``stream_options.include_usage``.
     principal: the authenticated tenant key, or None without tenancy.
     prompt_log: the prompt as the client sent it (messages or text), for the access log with
@@ -57,6 +58,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     sampling: SamplingParams
     stops: list[str] = []
     include_stop: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     include_usage: bool = False
     principal: Principal | None = None

@@ -96,7 +96,9 @@ class _Run:
         self.choices = [
             Choice(
                 i,
-                IncrementalDetokenizer(tok.id_to_bytes, tok.special_ids),
+                IncrementalDetokenizer(
+                    tok.id_to_bytes, tok.special_ids, skip_special_tokens=req.skip_special_tokens
+                ),
                 StopMatcher(req.stops, include_stop_str_in_output=req.include_stop),
                 make_filter() if make_filter is not None else None,
                 req.tool_parser() if req.tool_parser is not None else None,

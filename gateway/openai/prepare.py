@@ -149,6 +149,7 @@ def _generation(
         sampling=sampling,
         stops=stops,
         include_stop=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         principal=principal,

@@ -9,7 +9,7 @@ Unknown fields, as OpenAI and not as vLLM: the structs below are the allow-list.
 in them is a 400 ``unknown_parameter`` naming it ("Unrecognized request argument supplied: x"). The
 list holds every field served (OpenAI's, and the vLLM extras implemented: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-continue_final_message, add_generation_prompt, structured_outputs), the OpenAI fields that change
+skip_special_tokens, continue_final_message, add_generation_prompt, structured_outputs), the OpenAI fields that change
 nothing here (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``), the gateway's own extension ``inspect`` (keep the request's inspection record for
 ``GET /v1/inspect/{id}``, docs/inspector.md), and the OpenAI fields not served (``audio``, ``modalities`` other than
@@ -25,7 +25,7 @@ members (``{"content": "..."}``).
 Sources: OpenAI API reference, "Create chat completion" and "The chat
 completion chunk object" (https://platform.openai.com/docs/api-reference/chat),
 "Completions (legacy)"; vLLM's extra sampling parameters (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, include_stop_str_in_output,
+repetition_penalty, min_tokens, ignore_eos, include_stop_str_in_output, skip_special_tokens,
 continue_final_message, add_generation_prompt).
 """
 
@@ -72,6 +72,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM extra: False puts special tokens' text in the output
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None

@@ -128,16 +128,24 @@ def test_stop_strings_held_back_and_matched_across_tokens(gateway):
 
 def test_finish_reason_length_and_stop_wins_on_last_token(gateway):
     # (a) length, with exactly max_tokens completion tokens; EOS gives "stop"
-    a, eos = _parallel(
+    france = "What is the capital of France?"
+    a, eos, shown = _parallel(
         lambda: _nonstream(
             gateway, chat_body(gateway, "Explain gravity in detail.", max_tokens=3, temperature=0)
         ),
+        lambda: _nonstream(gateway, chat_body(gateway, france, max_tokens=32, temperature=0)),
+        # past EOS (ignore_eos) with special tokens in the text (vLLM's skip_special_tokens: false)
         lambda: _nonstream(
-            gateway, chat_body(gateway, "What is the capital of France?", max_tokens=32, temperature=0)
+            gateway,
+            chat_body(
+                gateway, france, max_tokens=32, temperature=0, ignore_eos=True, skip_special_tokens=False
+            ),
         ),
     )
     assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == 3
     assert eos["choices"][0]["finish_reason"] == "stop" and eos["usage"]["completion_tokens"] < 32
+    assert shown["usage"]["completion_tokens"] == 32
+    assert _content(shown).startswith(_content(eos) + "<|im_end|>"), (_content(eos), _content(shown))
     # (b) a stop string that completes on the last allowed token: "stop" wins over "length"
     body = chat_body(gateway, "Explain gravity in detail.", max_tokens=8, temperature=0, logprobs=True)
     ref = _nonstream(gateway, body)
