@@ -117,8 +117,8 @@ class Engine:
         grammar: the grammar compiler (``backend.grammar.GrammarCompiler``); default one built on first
             use from the model file's tokenizer (``card.model_path``).
         itl_target_ms: inter-token latency the scheduler sizes the prefill of steps with decodes to
-            (milliseconds; 0: off, every step may take the whole token budget). Each step's wall time
-            feeds the scheduler's step-time model.
+            (milliseconds; default 150; 0: off, every step may take the whole token budget). Each
+            step's wall time feeds the scheduler's step-time model.
         threads: adapts torch's thread count to the machine's contention after each step
             (``backend.allocator.ThreadGovernor``); None: the count is left alone.
 
@@ -136,7 +136,7 @@ class Engine:
         long_prefill_token_threshold: int | None = None,
         num_kv_blocks: int | None = None,
         grammar: G.GrammarCompiler | None = None,
-        itl_target_ms: float = 0.0,
+        itl_target_ms: float = 150.0,
         threads: ThreadGovernor | None = None,
     ) -> None:
         if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:
