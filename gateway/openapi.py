@@ -75,8 +75,8 @@ ModelList = msgspec.defstruct("ModelList", [("object", Literal["list"]), ("data"
 Status = msgspec.defstruct("Status", [("status", str)])
 EngineStats = msgspec.defstruct(
     "EngineStats",
-    [*((f, int) for f in STATS_FIELDS), ("device", str | None), ("attention_backend", str | None),
-     ("backends", list[dict[str, Any]]), ("draining", bool)],
+    [*((f, int) for f in STATS_FIELDS), ("spec_accepted_per_pos", list[int]), ("device", str | None),
+     ("attention_backend", str | None), ("backends", list[dict[str, Any]]), ("draining", bool)],
     kw_only=True,
 )  # fmt: skip
 
@@ -92,7 +92,8 @@ _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penal
 OllamaOptions = msgspec.defstruct(
     "OllamaOptions",  # the options mapped (others, e.g. num_ctx, are ignored); num_predict < 0: no limit
     [*((k, float | None, None) for k in _FLOATS), *((k, int | None, None) for k in ("top_k", "seed", "num_predict")),
-     ("stop", str | list[str] | None, None), ("tool_choice", str | dict[str, Any] | None, None)],
+     ("stop", str | list[str] | None, None), ("tool_choice", str | dict[str, Any] | None, None),
+     ("speculative", bool | None, None)],
     kw_only=True,
 )  # fmt: skip
 

@@ -30,6 +30,9 @@ STATS_FIELDS = (
     "prompt_tokens",
     "generation_tokens",
     "steps",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
 )
 
 
@@ -70,12 +73,14 @@ async def readyz(request: Request) -> Response:
 
 
 async def admin_stats(request: Request) -> Response:
-    """GET /admin/v1/stats: the backends' ``Stats`` summed over every model (counts; ``STATS_FIELDS``), device,
-    attention backend, per-backend supervisor state (``backends``, each with its ``model``: the served name)
-    and ``draining``. Raises 401/403 without the admin key."""
+    """GET /admin/v1/stats: the backends' ``Stats`` summed over every model (counts; ``STATS_FIELDS``; the
+    speculative decoding's ``spec_accepted_per_pos`` summed position by position), device, attention
+    backend, per-backend supervisor state (``backends``, each with its ``model``: the served name) and
+    ``draining``. Raises 401/403 without the admin key."""
     gw: Gateway = request.app.state.gateway
     await gw.check_admin(request)
     total: dict[str, Any] = {f: 0 for f in STATS_FIELDS}
+    per_pos: list[int] = []
     device = attention = None
     backends = []
     served = [(m.name, sup) for m in gw.catalog if m.pool is not None for sup in m.pool.supervisors]
@@ -87,6 +92,7 @@ async def admin_stats(request: Request) -> Response:
                 st = await c.get_stats()
                 for f in STATS_FIELDS:
                     total[f] += getattr(st, f)
+                per_pos = _add_positions(per_pos, st.spec_accepted_per_pos)
                 device = device or st.device
                 attention = attention or st.attention_backend
                 info["stats"] = msgspec.to_builtins(st)
@@ -96,5 +102,17 @@ async def admin_stats(request: Request) -> Response:
     card = gw.catalog.default.card_or_none
     if device is None and card is not None:
         device, attention = card.device, card.attention_backend
-    total.update(device=device, attention_backend=attention, backends=backends, draining=gw.catalog.draining)
+    total.update(
+        spec_accepted_per_pos=per_pos,
+        device=device,
+        attention_backend=attention,
+        backends=backends,
+        draining=gw.catalog.draining,
+    )
     return JSONResponse(total)
+
+
+def _add_positions(a: list[int], b: list[int]) -> list[int]:
+    """Two per-position counts summed position by position (the shorter one padded with zeros)."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]

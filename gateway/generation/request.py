@@ -12,7 +12,7 @@ Fields:
         checker serve the run; None only in tests that render without running.
     prompt_ids: prompt token ids (list[int], after the chat template).
     sampling: backend sampling parameters: ``n``, ``max_tokens`` (resolved against the context), penalties,
-        seed, ``logprobs``/``top_logprobs``...
+        seed, ``logprobs``/``top_logprobs``, ``speculative`` (the client's ``speculative``, default true)...
     stops: stop strings (normalized, non-empty); include_stop: keep the matched stop string in the text;
     skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text (vLLM's default).
     stream: the client asked for a stream; include_usage: OpenAI ``stream_options.include_usage``.

@@ -25,8 +25,9 @@ only (``_Run.reason``, ``_Run._ended_by``). A streaming client that stops readin
 daily quota) and the ``Ended`` event both run in cancel-shielded cleanup on every exit.
 
 Timings (nanoseconds, Ollama names): ``prompt_eval_count``, ``eval_count`` (tokens),
-``queue_duration``, ``prompt_eval_duration``, ``eval_duration`` and ``backend_ttft_duration`` (from the
-backend's ``Timings``), ``ttft_duration`` (gateway: arrival -> first token), ``gateway_prep_duration``
+``queue_duration``, ``prompt_eval_duration``, ``eval_duration``, ``backend_ttft_duration`` and the
+speculative decoding's ``draft_tokens`` / ``accepted_tokens`` (tokens, summed over choices), all from the
+backend's ``Timings``; ``ttft_duration`` (gateway: arrival -> first token), ``gateway_prep_duration``
 (arrival -> Submit queued), ``gateway_overhead_duration`` (stream only: the gateway's own share of TTFT)
 and ``total_duration`` (arrival -> now).
 """
@@ -140,6 +141,8 @@ class _Run:
             d["prompt_eval_duration"] = _ns(max(t.prefill for t in tms))
             d["eval_duration"] = _ns(max(t.decode for t in tms))
             d["backend_ttft_duration"] = _ns(min(t.ttft for t in tms))
+            d["draft_tokens"] = sum(t.draft_tokens for t in tms)
+            d["accepted_tokens"] = sum(t.accepted_tokens for t in tms)
         t0 = self.req.t_arrival
         if self.t_first is not None:
             d["ttft_duration"] = _ns(self.t_first - t0)

@@ -69,6 +69,8 @@ class RequestRecord:
         client_gone: the client went away before a status line was sent (the status recorded is then 499).
         queue_s, prefill_s, decode_s, backend_ttft_s: backend phases (max over choices).
         preemptions: times the backend preempted this request.
+        draft_tokens, accepted_tokens: speculative decoding: draft tokens proposed for the request and those
+            accepted (summed over choices; None until the backend's timings arrived).
         error_type, error_code: of the ``APIError`` rendered, if any.
         itl_sum_s, itl_count: sum (seconds) and number of the inter-token gaps, one per token-carrying output
             after the first.
@@ -103,6 +105,8 @@ class RequestRecord:
         self.decode_s: float | None = None
         self.backend_ttft_s: float | None = None
         self.preemptions = 0
+        self.draft_tokens: int | None = None
+        self.accepted_tokens: int | None = None
         self.error_type: str | None = None
         self.error_code: str | None = None
         self.itl_sum_s = 0.0  # inter-token gaps: their sum and count (the access log shows the mean)
@@ -170,6 +174,8 @@ class RequestRecord:
             self.cached_tokens = ended.cached_tokens
             self.finish_reason = ended.reason
             self.preemptions = max(self.preemptions, ended.preemptions)
+            self.draft_tokens = ended.timings.get("draft_tokens", self.draft_tokens)
+            self.accepted_tokens = ended.timings.get("accepted_tokens", self.accepted_tokens)
             self.on_timings(ended.timings)
         if ended.error_type is not None or ended.error_code is not None:
             self.set_error(ended.error_type, ended.error_code)
@@ -211,6 +217,8 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "abort_reason": self.abort_reason,
             "preemptions": self.preemptions if self.submitted else None,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "e2e_s": _round(self.e2e_s),
             "ttft_s": _round(self.ttft_s),
             "itl_mean_s": _round(self.itl_sum_s / self.itl_count) if self.itl_count else None,

@@ -23,8 +23,10 @@ or null: none. Anything else, or a schema that does not compile (a ``$ref`` cycl
 
 ``options`` mapping: temperature, top_p, top_k, min_p, seed, stop, presence_penalty, frequency_penalty as
 in OpenAI/vLLM; num_predict -> max_tokens (negative: no limit given); repeat_penalty -> repetition_penalty
-(vLLM semantics). Other options (num_ctx, num_thread, mirostat, ...) are accepted and ignored; Ollama's own
-defaults (e.g. temperature 0.8) are not applied: unset options take the /v1 defaults.
+(vLLM semantics); ``speculative`` (extension, not in Ollama: a boolean, false opts the request out of the
+engine's speculative decoding, as the /v1 field). Other options (num_ctx, num_thread, mirostat, ...) are
+accepted and ignored; Ollama's own defaults (e.g. temperature 0.8) are not applied: unset options take the
+/v1 defaults.
 
 Refused with 400 (``InvalidRequest``, ``param`` named): a body that is not an object, a missing ``model``,
 wrong types, images, malformed tools or tool calls, and the features this gateway does not implement:
@@ -68,6 +70,7 @@ class Options(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     num_predict: int | None = None
     stop: list[str] | None = None
+    speculative: bool | None = None
 
 
 def _number(options: dict[str, Any], key: str, integer: bool) -> float | int | None:
@@ -104,6 +107,12 @@ def parse_options(options: object) -> Options:
             "options.stop must be a list of strings", param="options.stop", code="invalid_type"
         )
     fields["stop"] = stop or None
+    speculative = options.get("speculative")
+    if speculative is not None and not isinstance(speculative, bool):
+        raise InvalidRequest(
+            "options.speculative must be a boolean", param="options.speculative", code="invalid_type"
+        )
+    fields["speculative"] = speculative
     return Options(**fields)
 
 
@@ -221,4 +230,5 @@ def to_chat_request(body: object, kind: Kind) -> ChatRequest:
         stop=o.stop,
         tools=tools if tools != [] else None,
         tool_choice=tool_choice(body) if kind == "chat" else None,
+        speculative=o.speculative is not False,
     )

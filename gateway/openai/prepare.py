@@ -112,6 +112,7 @@ def sampling_params(
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        speculative=req.speculative,
     )
 
 

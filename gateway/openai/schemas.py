@@ -9,7 +9,8 @@ Unknown fields, as OpenAI and not as vLLM: the structs below are the allow-list.
 in them is a 400 ``unknown_parameter`` naming it ("Unrecognized request argument supplied: x"). The
 list holds every field served (OpenAI's, and the vLLM extras implemented: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, continue_final_message, add_generation_prompt, structured_outputs), the OpenAI fields that change
+skip_special_tokens, continue_final_message, add_generation_prompt, structured_outputs), the engine's
+``speculative`` (n-gram speculative decoding for this request, default true), the OpenAI fields that change
 nothing here (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``), the gateway's own extension ``inspect`` (keep the request's inspection record for
 ``GET /v1/inspect/{id}``, docs/inspector.md), and the OpenAI fields not served (``audio``, ``modalities`` other than
@@ -73,6 +74,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     safety_identifier: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # vLLM extra: False puts special tokens' text in the output
+    speculative: bool = True  # engine extra: False opts out of speculative decoding (same tokens either way)
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None

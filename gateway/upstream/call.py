@@ -13,7 +13,9 @@ What passes through: every field the client set (``msgspec`` defaults left out),
 ``max_completion_tokens``, ``stream_options`` without ``stream``; refused (``unsupported_parameter``):
 ``logprobs`` (the events carry logprobs as this gateway's token ids) and the gateway's own ``inspect``
 (an inspection record is the engine's timeline); the rest is the upstream's to refuse (its 4xx comes back
-with its message).
+with its message). Not sent and not refused: ``speculative`` (a hint to this gateway's own engine, not an
+OpenAI or vLLM field; speculative decoding is lossless, so the answer is the same whether the upstream
+speculates or not, and how it does is its operator's setting).
 
 ``send = "prompt"``: the chat template of the model's tokenizer renders the conversation here and the
 upstream gets ``/completions`` with that ``prompt``: its token ids (``prompt_as = "ids"``, the default: the
@@ -41,7 +43,9 @@ from templating import ChatTemplate, TemplateError, TextTokenizer
 
 Api = Literal["openai", "ollama"]
 T = TypeVar("T")
-_NOT_SENT = frozenset({"inspect", "model", "stream", "stream_options", "max_completion_tokens"})
+_NOT_SENT = frozenset(
+    {"inspect", "model", "stream", "stream_options", "max_completion_tokens", "speculative"}
+)
 
 
 class Services(Protocol):
@@ -124,7 +128,8 @@ def _checked(req: SamplingFields, max_tokens: int | None, max_param: str, *, log
 
 def passed_fields(req: msgspec.Struct) -> dict[str, Any]:
     """The fields of ``req`` the client set (different from their defaults), as JSON values, less those the
-    gateway owns (``model``, ``stream``, ``stream_options``, ``inspect``, ``max_completion_tokens``)."""
+    gateway owns (``model``, ``stream``, ``stream_options``, ``inspect``, ``max_completion_tokens``,
+    ``speculative``)."""
     out: dict[str, Any] = {}
     for f in msgspec.structs.fields(req):
         if f.name in _NOT_SENT:

@@ -77,6 +77,8 @@ def make_app(metrics: GatewayMetrics, *, log_content: bool = False):
         n = int(body.get("n_tokens", 3))
         await tokens(obs, n)
         timings = ns(queue=0.001, prefill=0.002, decode=0.003, ttft=0.003)
+        if "spec" in body:  # speculative decoding: (drafted, accepted), summed over choices by the run
+            timings.update(draft_tokens=body["spec"][0], accepted_tokens=body["spec"][1])
         await finish(
             obs,
             body.get("finish", "length"),
@@ -254,6 +256,48 @@ async def test_backend_counters_survive_restart_and_gauges():
     assert b"gateway:num_preemptions_total" in await m.render()
 
 
+async def test_spec_decode_counters_per_backend_and_position():
+    m = GatewayMetrics("m")
+    m.set_backend_models({"0": "m", "1": "other"})
+    m.update_backend_stats(
+        Stats(spec_drafts=4, spec_draft_tokens=12, spec_accepted_tokens=7, spec_accepted_per_pos=[4, 2, 1]),
+        "0",
+    )
+    m.update_backend_stats(Stats(spec_drafts=1, spec_draft_tokens=3, spec_accepted_per_pos=[0, 0, 0]), "1")
+    s = parse_exposition((await m.render()).decode())
+    P = "gateway:spec_decode_"
+    assert sample_sum(s, P + "num_drafts_total", backend="0", model_name="m") == 4
+    assert sample_sum(s, P + "num_draft_tokens_total") == 15  # both backends
+    assert sample_sum(s, P + "num_accepted_tokens_total", backend="0") == 7
+    assert sample_sum(s, P + "num_accepted_tokens_total", backend="1", model_name="other") == 0
+    pos = {
+        dict(lv)["position"]: v
+        for (n, lv), v in s.items()
+        if n == P + "num_accepted_tokens_per_pos_total" and dict(lv)["backend"] == "0"
+    }
+    assert pos == {"0": 4, "1": 2, "2": 1}
+    assert sample_sum(s, P + "num_accepted_tokens_per_pos_total", backend="1", position="2") == 0
+    # a restart (counters lower): every counter of that backend carried over, the positions included, so
+    # the sum over positions still equals the accepted total; a new position appears with its own series
+    m.update_backend_stats(
+        Stats(spec_drafts=5, spec_draft_tokens=2, spec_accepted_tokens=2, spec_accepted_per_pos=[1, 0, 0, 1]),
+        "0",
+    )
+    s = parse_exposition((await m.render()).decode())
+    assert sample_sum(s, P + "num_drafts_total", backend="0") == 9  # 4 + 5: it restarted, though 5 > 4
+    assert sample_sum(s, P + "num_draft_tokens_total", backend="0") == 14
+    accepted = sample_sum(s, P + "num_accepted_tokens_total", backend="0")
+    assert accepted == 9 == sample_sum(s, P + "num_accepted_tokens_per_pos_total", backend="0")
+    assert sample_sum(s, P + "num_accepted_tokens_per_pos_total", backend="0", position="0") == 5
+    assert sample_sum(s, P + "num_accepted_tokens_per_pos_total", backend="0", position="3") == 1
+    # an engine without speculative decoding: the counters are there, at zero, and no position series
+    m0 = GatewayMetrics("m")
+    m0.update_backend_stats(Stats(), "0")
+    s0 = parse_exposition((await m0.render()).decode())
+    assert s0[(P + "num_drafts_total", (("backend", "0"), ("model_name", "m")))] == 0
+    assert not any(n == P + "num_accepted_tokens_per_pos_total" for (n, _) in s0)
+
+
 async def test_two_apps_one_process_and_tenant_label():
     m1, m2 = GatewayMetrics("m", tenant_label=True, max_tenants=1), GatewayMetrics("m")
     async with client(make_app(m1)) as c1, client(make_app(m2)) as c2:
@@ -274,7 +318,7 @@ async def test_access_log_has_no_key_and_content_only_when_enabled(caplog, log_c
     async with client(app) as c:
         r = await c.post(
             "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": PROMPT}], "n_tokens": 2},
+            json={"messages": [{"role": "user", "content": PROMPT}], "n_tokens": 2, "spec": [6, 4]},
             headers={"authorization": f"Bearer {SECRET_KEY}", "x-request-id": "rid-42"},
         )
         assert r.status_code == 200
@@ -286,6 +330,7 @@ async def test_access_log_has_no_key_and_content_only_when_enabled(caplog, log_c
         entry["prompt_tokens"] == 7 and entry["completion_tokens"] == 2 and entry["finish_reason"] == "length"
     )
     assert entry["ttft_s"] is not None and entry["prefill_s"] == 0.002
+    assert entry["draft_tokens"] == 6 and entry["accepted_tokens"] == 4
     assert SECRET_KEY not in lines[0]
     assert (PROMPT in lines[0]) is log_content
     assert ("tok1" in lines[0]) is log_content
