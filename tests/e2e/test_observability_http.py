@@ -255,6 +255,91 @@ def test_metrics_logs_and_ollama_against_real_gateway(gateway):
     assert any(e["api"] == "ollama" for e in access_lines(gp))
 
 
+SPEC = "spec_decode_num_"
+PARAGRAPH = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
+    "wrote the names of passing ships in a worn leather book, while the wind rattled the windows and the "
+    "gulls circled slowly above the dark and restless sea."
+)
+
+
+def _spec(samples: dict) -> tuple[float, float, float, dict[str, float]]:
+    """Speculative decoding counters of a scrape, summed over backends: drafts, draft tokens, accepted
+    tokens, accepted tokens by draft position."""
+    pos: dict[str, float] = {}
+    for (name, lv), v in samples.items():
+        if name == P + SPEC + "accepted_tokens_per_pos_total":
+            pos[dict(lv)["position"]] = pos.get(dict(lv)["position"], 0.0) + v
+    drafts, drafted, accepted = (
+        sample_sum(samples, P + SPEC + k + "_total") for k in ("drafts", "draft_tokens", "accepted_tokens")
+    )
+    return drafts, drafted, accepted, pos
+
+
+def _check_spec_consistent(drafts: float, drafted: float, accepted: float, per_pos: list[float]) -> None:
+    assert drafts >= 0 and 0 <= accepted <= drafted, (drafts, drafted, accepted)
+    assert sum(per_pos) == accepted, (per_pos, accepted)
+    assert all(v >= 0 for v in per_pos), per_pos
+    if drafted > 0:
+        assert drafts > 0 and 0 <= accepted / drafted <= 1
+
+
+def test_speculative_decoding_in_timings_metrics_and_admin_stats(gateway):
+    """A greedy answer that repeats its prompt (n-gram drafts find it there): the response's timings count
+    drafts and acceptances, /metrics and /admin/v1/stats move by as much and stay consistent
+    (accepted <= drafted, the positions sum to the accepted total); ``speculative: false`` on the same
+    request gives the same text with nothing drafted and moves no counter."""
+    gp = gateway
+    messages = [{"role": "user", "content": "Repeat exactly: " + PARAGRAPH}]
+    gp.wait_idle(60)  # leftovers of earlier tests on the shared gateway must not count in our window
+    before, st0 = scrape(gp), gp.stats()
+
+    r1 = chat(gp, messages, max_tokens=48)
+    assert r1.status_code == 200, r1.text
+    t1 = r1.json()["timings"]
+    drafted, accepted = t1["draft_tokens"], t1["accepted_tokens"]
+    assert 0 <= accepted <= drafted, t1
+    gp.wait_idle(60)
+    mid, st1 = scrape(gp), gp.stats()
+
+    # /metrics: consistent in itself, and moved by what the response reports
+    drafts_a, drafted_a, accepted_a, pos_a = _spec(mid)
+    _check_spec_consistent(drafts_a, drafted_a, accepted_a, list(pos_a.values()))
+    drafts_b, drafted_b, accepted_b, pos_b = _spec(before)
+    dpos = [pos_a.get(k, 0.0) - pos_b.get(k, 0.0) for k in pos_a]
+    _check_spec_consistent(drafts_a - drafts_b, drafted_a - drafted_b, accepted_a - accepted_b, dpos)
+    assert (drafted_a - drafted_b, accepted_a - accepted_b) == (drafted, accepted), (t1, pos_a, pos_b)
+
+    # /admin/v1/stats: the same counters (since each backend started), consistent, moved by as much
+    for st in (st0, st1):
+        _check_spec_consistent(
+            st["spec_drafts"],
+            st["spec_draft_tokens"],
+            st["spec_accepted_tokens"],
+            st["spec_accepted_per_pos"],
+        )
+    assert st1["spec_draft_tokens"] - st0["spec_draft_tokens"] == drafted, (st0, st1)
+    assert st1["spec_accepted_tokens"] - st0["spec_accepted_tokens"] == accepted, (st0, st1)
+    old = st0["spec_accepted_per_pos"] + [0] * (
+        len(st1["spec_accepted_per_pos"]) - len(st0["spec_accepted_per_pos"])
+    )
+    assert sum(n - o for n, o in zip(st1["spec_accepted_per_pos"], old)) == accepted
+
+    # opted out: the same tokens (lossless), nothing drafted, no counter moved
+    r2 = chat(gp, messages, max_tokens=48, speculative=False)
+    assert r2.status_code == 200, r2.text
+    t2 = r2.json()["timings"]
+    assert r2.json()["choices"][0]["message"]["content"] == r1.json()["choices"][0]["message"]["content"]
+    assert r2.json()["usage"]["completion_tokens"] == r1.json()["usage"]["completion_tokens"]
+    assert (t2["draft_tokens"], t2["accepted_tokens"]) == (0, 0), t2
+    gp.wait_idle(60)
+    after = scrape(gp)
+    assert _spec(after)[:3] == (drafts_a, drafted_a, accepted_a)
+
+    # the engine drafts for an answer that repeats its prompt (fails while speculative decoding is off)
+    assert drafted > 0, f"no draft tokens for an answer that repeats its prompt: {t1}"
+
+
 def test_preemption_counted_with_tiny_kv_pool(make_gateway):
     # 7 blocks of 16 tokens; three 32-token prompts (2 blocks each, no shared prefix) whose first decode
     # step needs a third block each: 9 > 7, so the newest running request is preempted and recomputed.
