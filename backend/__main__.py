@@ -9,6 +9,7 @@ Usage::
         [--kv-cache-memory BYTES | --num-kv-blocks N] [--block-size 16]
         [--max-num-seqs N] [--max-num-batched-tokens N]
         [--long-prefill-token-threshold N] [--no-prefix-caching]
+        [--num-speculative-tokens K] [--speculative-max-batch B] [--prompt-lookup-min/--prompt-lookup-max N]
 
 Prints one readiness line to stderr (``backend ready: listening on ...``)
 once the model is loaded and the socket listens. Exits 0 on Shutdown or
@@ -47,6 +48,10 @@ def _bytes(s: str) -> int:
     if low and low[-1] in units:
         return int(float(low[:-1]) * units[low[-1]])
     return int(s)
+
+
+SPEC_TOKENS = 5  # measured: docs/perf.md, "Speculative decoding"
+SPEC_MAX_BATCH = 4
 
 
 def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> list[argparse.Action]:
@@ -127,6 +132,31 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
             help="inter-token latency the scheduler keeps running decodes under (ms): prefill tokens per step "
             "are cut to what fits and admission waits past 60%% of it (default 150; 0: off, every step may take "
             "the whole --max-num-batched-tokens)",
+        ),
+        parser.add_argument(
+            "--num-speculative-tokens",
+            type=int,
+            default=SPEC_TOKENS,
+            help=f"n-gram (prompt lookup) draft tokens verified per sequence and step; lossless: the output "
+            f"is the same with it on or off (default {SPEC_TOKENS}; 0: off)",
+        ),
+        parser.add_argument(
+            "--speculative-max-batch",
+            type=int,
+            default=SPEC_MAX_BATCH,
+            help=f"speculate only in steps with at most this many decoding sequences (default {SPEC_MAX_BATCH})",
+        ),
+        parser.add_argument(
+            "--prompt-lookup-min",
+            type=int,
+            default=1,
+            help="shortest n-gram the draft proposer matches (tokens, default 1)",
+        ),
+        parser.add_argument(
+            "--prompt-lookup-max",
+            type=int,
+            default=4,
+            help="longest n-gram the draft proposer matches, tried first (tokens, default 4)",
         ),
     ]
     return acts
@@ -232,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_batched_tokens < args.max_num_seqs:
         print("error: --max-num-batched-tokens must be >= --max-num-seqs", file=sys.stderr)
         return 2
+    if args.num_speculative_tokens < 0 or args.speculative_max_batch < 0:
+        print("error: --num-speculative-tokens and --speculative-max-batch must be >= 0", file=sys.stderr)
+        return 2
+    if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
+        print("error: need 1 <= --prompt-lookup-min <= --prompt-lookup-max", file=sys.stderr)
+        return 2
     import torch
 
     if args.threads:
@@ -264,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             itl_target_ms=args.itl_target_ms,
             threads=governor,
+            num_speculative_tokens=args.num_speculative_tokens,
+            speculative_max_batch=args.speculative_max_batch,
+            prompt_lookup_min=args.prompt_lookup_min,
+            prompt_lookup_max=args.prompt_lookup_max,
         )
     except Exception as exc:  # noqa: BLE001 - any load failure is reported as one line and a status
         name = model or "(default model)"

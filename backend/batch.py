@@ -28,6 +28,8 @@ class SeqChunk:
             ``backend.model_runner.ModelRunner``, ``generated_int4``): a row's arithmetic then depends on
             its token's role only, never on what else is in the step. None: every position is a prompt
             token.
+        num_logits: with ``need_logits``, how many of the chunk's last rows return logits (a speculative
+            verify chunk: its last committed token and each draft token, ``1 + drafts``); default 1.
     """
 
     token_ids: list[int]
@@ -35,6 +37,7 @@ class SeqChunk:
     block_table: list[int]
     need_logits: bool = True
     prompt_len: int | None = None
+    num_logits: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -205,6 +205,17 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s tail blocks past those holding its first ``num_tokens`` tokens.
+
+        Used after speculative verification: the slots of rejected draft tokens were written but are not
+        computed tokens. The blocks given back were never registered (they hold no full computed block).
+        """
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._decref(seq.block_table.pop())
+        del seq.block_hashes[len(seq.block_table) :]
+
     def register_computed(self, seq: Sequence) -> None:
         """Register ``seq``'s newly full and computed blocks in the prefix cache.
 

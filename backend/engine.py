@@ -23,6 +23,19 @@ in the sampler; a choice whose grammar is complete finishes with "stop" (its las
 token is in ``new_token_ids``). A grammar that fails to compile, or that the output leaves, ends that
 request alone with ``RequestError`` code ``grammar_error``.
 
+Speculative decoding (``num_speculative_tokens > 0``): before each step every decoding sequence of a
+request that allows it (``SamplingParams.speculative``, no grammar) gets up to that many draft tokens from
+its own context (``backend.proposer``, n-gram prompt lookup), while at most ``speculative_max_batch``
+sequences decode (past that a step is bound by compute and the drafts would slow it). The scheduler runs
+the sequence's last token and its drafts as one verify chunk; the model returns the logits of each of its
+rows. Verification samples position by position with the target's own sampler (every transform, the
+position's counter-based uniform number, ``backend.sampling``): a draft token is accepted iff the token
+drawn there equals it; the first mismatch is replaced by the drawn token and ends the step's tokens. So the
+output is exactly the target's: under greedy decoding the same argmax chain, under sampling the same draws
+with the same seed, with speculation on or off, in any batch (Leviathan et al., ICML 2023; Chen et al.,
+2023, coupled here through shared random numbers). The accepted drafts' K/V are kept, the rejected ones'
+slots given back (``Scheduler.accept_draft``).
+
 Inspected requests (``Submit.inspect``): each sequence keeps a ``SeqTimeline`` (its prompt and recompute
 chunks with the step's start and the model pass's end, each sampled token, each preemption, bounded lists);
 the last output of each choice carries it as ``Timeline``. Other requests record nothing.
@@ -46,6 +59,7 @@ from backend import grammar as G
 from backend.allocator import ThreadGovernor
 from backend.batch import SeqChunk
 from backend.block_manager import BlockManager
+from backend.proposer import DraftPolicy
 from backend.protocol import (
     FEATURE_GRAMMAR,
     MAX_TIMELINE_EVENTS,
@@ -121,6 +135,9 @@ class Engine:
             step's wall time feeds the scheduler's step-time model.
         threads: adapts torch's thread count to the machine's contention after each step
             (``backend.allocator.ThreadGovernor``); None: the count is left alone.
+        num_speculative_tokens: most n-gram draft tokens verified per sequence and step (0: off).
+        speculative_max_batch: speculation runs only in steps with at most this many decoding sequences.
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths the proposer matches (tokens, longest first).
 
     Raises:
         ValueError: inconsistent limits.
@@ -138,11 +155,26 @@ class Engine:
         grammar: G.GrammarCompiler | None = None,
         itl_target_ms: float = 150.0,
         threads: ThreadGovernor | None = None,
+        num_speculative_tokens: int = 0,
+        speculative_max_batch: int = 4,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
     ) -> None:
         if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:
             raise ValueError(f"num_kv_blocks must be in [1, {runner.num_kv_blocks}]")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if num_speculative_tokens < 0 or speculative_max_batch < 0:
+            raise ValueError("num_speculative_tokens and speculative_max_batch must be >= 0")
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_max_batch = speculative_max_batch
+        self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * num_speculative_tokens
         self.runner = runner
         self.card = runner.card
         self.vocab_size = int(runner.vocab_size)
@@ -410,6 +442,8 @@ class Engine:
             decode=max(0.0, now - ft),
             ttft=(ft - req.arrival) if req.first_token is not None else 0.0,
             preemptions=seq.num_preemptions if seq is not None else 0,
+            draft_tokens=seq.spec.draft_tokens if seq is not None and seq.spec is not None else 0,
+            accepted_tokens=seq.spec.accepted_tokens if seq is not None and seq.spec is not None else 0,
         )
 
     def _timeline(self, req: EngineRequest, index: int, now: float) -> Timeline | None:
@@ -483,6 +517,8 @@ class Engine:
         t0 = time.perf_counter()
         sched = self.scheduler
         early = self._admit_compiled(wait=not sched.has_work())
+        if self.num_speculative_tokens:
+            self._propose()
         plan = sched.schedule()
         if not plan.chunks:
             return early
@@ -498,15 +534,16 @@ class Engine:
                 seq.timeline.preempted(now)
         chunks = [
             SeqChunk(
-                token_ids=c.seq.token_ids[c.start : c.start + c.num_tokens],
+                token_ids=c.token_ids,
                 start_pos=c.start,
                 block_table=c.seq.block_table,
                 need_logits=c.need_logits,
                 prompt_len=c.seq.num_prompt_tokens,
+                num_logits=1 + c.num_draft,
             )
             for c in plan.chunks
         ]
-        rows, targets = self._targets(plan)
+        rows, targets, verify = self._targets(plan)
         # beside the forward pass when it runs on an accelerator (the CPU is free meanwhile); after it on a
         # CPU, whose cores the forward pass already keeps busy
         mask_job = self._start_masks(targets) if self.overlap_masks else None
@@ -527,6 +564,7 @@ class Engine:
         out: list[tuple[Hashable, Message]] = early
         try:
             self._sample_and_output(rows, targets, logits, mask_job, out)
+            self._verify(verify, logits, out)
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
             # Keep the final outputs of requests that already finished in this step (they left
@@ -550,7 +588,7 @@ class Engine:
         end = None
         for c in plan.chunks:
             t = c.seq.timeline
-            if t is not None and (c.num_tokens > 1 or c.start < c.seq.num_prompt_tokens):
+            if t is not None and not c.num_draft and (c.num_tokens > 1 or c.start < c.seq.num_prompt_tokens):
                 end = time.monotonic() if end is None else end
                 t.chunk(start, end, c.num_tokens)
 
@@ -565,16 +603,25 @@ class Engine:
             out.append((req.owner, self._fail(req, message)))
         return out
 
-    def _targets(self, plan: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
+    def _targets(
+        self, plan: SchedulerOutput
+    ) -> tuple[list[int], list[tuple[Sequence, int]], list[tuple[Sequence, int, int]]]:
         """The logits rows to sample and, per row, ``(sequence or parent, choice index)``: one per sequence
-        that reached its end, and for a parent that just finished its prompt one per choice (n > 1)."""
+        that reached its end, and for a parent that just finished its prompt one per choice (n > 1); and
+        the verify chunks as ``(sequence, first logits row, draft tokens)``."""
         rows: list[int] = []
         targets: list[tuple[Sequence, int]] = []  # (sequence or parent, choice index)
+        verify: list[tuple[Sequence, int, int]] = []
         r = 0
         for c in plan.chunks:
             if not c.need_logits:
                 continue
             seq = c.seq
+            if c.num_draft:
+                if seq.status is SeqStatus.RUNNING:
+                    verify.append((seq, r, c.num_draft))
+                r += 1 + c.num_draft
+                continue
             if seq.status is SeqStatus.RUNNING:
                 req: EngineRequest = seq.request
                 if seq.pending_forks and seq.num_generated == 0:
@@ -586,7 +633,56 @@ class Engine:
                     rows.append(r)
                     targets.append((seq, seq.index))
             r += 1
-        return rows, targets
+        return rows, targets, verify
+
+    def _propose(self) -> None:
+        """Give each decoding sequence its draft tokens for this step (see the module docstring)."""
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1 and not s.pending_forks]
+        if not decoding or len(decoding) > self.speculative_max_batch:
+            return
+        lo, hi = self.prompt_lookup
+        for seq in decoding:
+            state: ChoiceState = seq.sampling_state
+            p = state.params
+            limit = p.max_tokens - state.num_generated - 1  # the token after the drafts is sampled too
+            if not p.speculative or state.matcher is not None or limit <= 0:
+                continue
+            if seq.spec is None:
+                seq.spec = DraftPolicy(self.num_speculative_tokens, lo, hi)
+            seq.draft = seq.spec.propose(seq.token_ids, limit)
+
+    def _verify(
+        self, verify: list[tuple[Sequence, int, int]], logits: Any, out: list[tuple[Hashable, Message]]
+    ) -> None:
+        """Sample the verify chunks position by position; keep the accepted drafts (module docstring)."""
+        for seq, r0, d in verify:
+            req: EngineRequest = seq.request
+            if req.request_id not in self.requests or seq.status is not SeqStatus.RUNNING:
+                continue
+            i = seq.index
+            state = req.states[i]
+            draft = seq.draft[:d]
+            toks: list[int] = []
+            lps: list[TokenLogprob | None] = []
+            matched = 0
+            for j in range(d + 1):
+                (tok,), (lp,) = sample(logits[r0 + j : r0 + j + 1], [state])
+                state.append(tok)
+                toks.append(tok)
+                lps.append(lp)
+                if j == d or tok != draft[j]:
+                    break
+                matched += 1
+                if tok in req.stop_set or state.num_generated >= req.params.max_tokens:
+                    break
+            self.spec_drafts += 1
+            self.spec_draft_tokens += d
+            self.spec_accepted_tokens += matched
+            for j in range(matched):
+                self.spec_accepted_per_pos[j] += 1
+            seq.spec.record(d, matched)
+            self._commit(req, i, toks, lps, out)
+            self.scheduler.accept_draft(seq, len(toks) - 1)
 
     def _start_masks(self, targets: list[tuple[Sequence, int]]) -> concurrent.futures.Future | None:
         """Start the grammar masks of the constrained targets (on a worker thread, beside the forward);
@@ -667,42 +763,61 @@ class Engine:
             if seq.pending_forks and seq.seq_id not in forked and seq.status is SeqStatus.RUNNING:
                 self.scheduler.fork(seq, [])
 
-        now = time.monotonic()
         for (seq, i), tok, lp in zip(targets, tokens, lps):
             req = seq.request
             if req.request_id not in self.requests:
                 continue  # failed in this step (grammar)
-            s = req.seqs[i]
-            assert s is not None
-            state = req.states[i]
-            state.append(tok)
-            self.num_generation_tokens += 1
-            if s.timeline is not None:
+            req.states[i].append(tok)
+            self._commit(req, i, [tok], [lp], out)
+
+    def _commit(
+        self,
+        req: EngineRequest,
+        i: int,
+        toks: list[int],
+        lps: list[TokenLogprob | None],
+        out: list[tuple[Hashable, Message]],
+    ) -> None:
+        """Emit choice ``i``'s tokens of this step, already appended to its ``ChoiceState`` (one, or the
+        accepted drafts and the token after them; only the last may end the choice): advance the grammar,
+        decide the finish reason, grow the sequence, append the message to ``out``."""
+        now = time.monotonic()
+        s = req.seqs[i]
+        assert s is not None
+        state = req.states[i]
+        self.num_generation_tokens += len(toks)
+        if s.timeline is not None:
+            for _ in toks:
                 s.timeline.token(now)
-            if req.first_token is None:
-                req.first_token = now
-            m = state.matcher
-            if m is not None:
-                try:
-                    G.advance(m, tok)
-                except G.GrammarError as exc:
-                    out.append((req.owner, self._fail(req, f"grammar: {exc}", code="grammar_error")))
-                    continue
-            if tok in req.stop_set:
-                msg = self._final(req, i, "stop", now, stop_token_id=tok)
-                self._finish_choice(req, i)
-            elif m is not None and G.finished(m):  # the grammar is complete: nothing may follow
-                msg = self._final(req, i, "stop", now, new_token_ids=[tok], logprobs=[lp] if lp else None)
-                self._finish_choice(req, i)
-            elif state.num_generated >= req.params.max_tokens:
-                msg = self._final(req, i, "length", now, new_token_ids=[tok], logprobs=[lp] if lp else None)
-                self._finish_choice(req, i)
-            else:
-                s.token_ids.append(tok)
-                msg = RequestOutput(
-                    request_id=req.request_id, index=i, new_token_ids=[tok], logprobs=[lp] if lp else None
-                )
-            out.append((req.owner, msg))
+        if req.first_token is None:
+            req.first_token = now
+        tok = toks[-1]
+        m = state.matcher
+        if m is not None:
+            try:
+                for t in toks:
+                    G.advance(m, t)
+            except G.GrammarError as exc:
+                out.append((req.owner, self._fail(req, f"grammar: {exc}", code="grammar_error")))
+                return
+        lp_list = lps if any(lp is not None for lp in lps) else None
+        if tok in req.stop_set:
+            head = toks[:-1]
+            msg = self._final(
+                req, i, "stop", now, stop_token_id=tok,
+                new_token_ids=head, logprobs=lp_list[:-1] if lp_list and head else None,
+            )  # fmt: skip
+            self._finish_choice(req, i)
+        elif m is not None and G.finished(m):  # the grammar is complete: nothing may follow
+            msg = self._final(req, i, "stop", now, new_token_ids=toks, logprobs=lp_list)
+            self._finish_choice(req, i)
+        elif state.num_generated >= req.params.max_tokens:
+            msg = self._final(req, i, "length", now, new_token_ids=toks, logprobs=lp_list)
+            self._finish_choice(req, i)
+        else:
+            s.token_ids.extend(toks)
+            msg = RequestOutput(request_id=req.request_id, index=i, new_token_ids=toks, logprobs=lp_list)
+        out.append((req.owner, msg))
 
     # ------------------------------------------------------------------ stats
 
@@ -725,6 +840,10 @@ class Engine:
             steps=self.num_steps,
             device=str(self.card.device),
             attention_backend=str(self.card.attention_backend),
+            spec_drafts=self.spec_drafts,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
 
     # ------------------------------------------------------------------ convenience

@@ -272,13 +272,12 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             qlens.append(n)
-            if c.need_logits:
-                rows.append(qsl[-1] - 1)
+            nl = min(max(1, c.num_logits), n) if c.need_logits else 0
+            rows.extend(range(qsl[-1] - nl, qsl[-1]))
             if self.generated_int4:
                 p_len = end if c.prompt_len is None else c.prompt_len
                 gen.extend(p >= p_len for p in range(s, end))
-                if c.need_logits:
-                    gen_logit.append(end - 1 >= p_len)
+                gen_logit.extend(p >= p_len for p in range(end - nl, end))
             max_blocks = max(max_blocks, need)
         if tokens and (min(tokens) < 0 or max(tokens) >= V):
             raise ValueError(f"token id outside [0, {V})")
@@ -319,8 +318,8 @@ class ModelRunner:
             chunks: decode chunks (one token) first, then prefill chunks; see ``SeqChunk``.
 
         Returns:
-            ``[R, vocab_size] float32`` on the runner's device, one row per chunk with
-            ``need_logits`` (in chunk order): the logits after that chunk's last token.
+            ``[R, vocab_size] float32`` on the runner's device: per chunk with ``need_logits`` (in chunk
+            order) its ``num_logits`` last rows (one: the logits after its last token).
             ``[0, vocab_size]`` for an empty list or when no chunk needs logits.
 
         Raises:

@@ -192,6 +192,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: return the chosen token's logprob; top_logprobs (0..20): that
     many alternatives, taken from the raw distribution before any filtering.
     n > 1 forks the request after prefill: the n sequences share prompt blocks.
+    speculative: let the engine draft tokens for this request and verify them in one pass (n-gram
+    speculative decoding, lossless: the tokens are the same with it on or off); False opts out.
     """
 
     n: int = 1
@@ -210,6 +212,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    speculative: bool = True
 
 
 class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -250,6 +253,8 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     queue: arrival -> first scheduled; prefill: first scheduled -> first token;
     decode: first token -> finish. ``ttft`` = queue + prefill.
+    draft_tokens / accepted_tokens: speculative tokens proposed for this choice and accepted by
+    verification (tokens; accepted <= drafted).
     """
 
     queue: float = 0.0
@@ -257,6 +262,8 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
     decode: float = 0.0
     ttft: float = 0.0
     preemptions: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 MAX_TIMELINE_EVENTS = 1024  # entries kept per list of a ``Timeline`` (the rest only counted)
@@ -454,6 +461,12 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True):
     steps: int = 0
     device: str = "cpu"
     attention_backend: str = "torch"
+    # speculative decoding (vLLM's spec_decode counters): verify chunks run, draft tokens proposed,
+    # draft tokens accepted, and accepted drafts per draft position (index 0 = first draft token)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class Fatal(msgspec.Struct, tag="fatal", kw_only=True):

@@ -20,15 +20,19 @@ penalty counters). Order of operations per row, all in float32:
    ``repetition_penalty`` (CTRL, Keskar et al. 2019, as in HF/vLLM) covers
    prompt *and* generated tokens, like vLLM: positive logits are divided by
    it, negative ones multiplied. EOS and stop ids are never penalised.
-5. Greedy rows (``temperature == 0``): ``argmax``; no random generator is
-   touched. Other rows: ``/ temperature``, top-k, top-p (nucleus), min-p,
-   softmax, then one draw from the row's own ``torch.Generator``.
+5. Greedy rows (``temperature == 0``): ``argmax``; no random number is drawn. Other rows:
+   ``/ temperature``, top-k, top-p (nucleus), min-p, softmax, then one inverse-CDF draw with the
+   uniform number of the token's position.
 
-Seeds: each choice owns a CPU ``torch.Generator``. With ``seed`` given, choice
-``i`` is seeded with ``blake2b(f"{seed}:{i}")`` (64 bits): the same seed and
-request give the same tokens whatever else is in the batch, and the ``n``
-choices differ. Any Python int is accepted (negative or huge included; it is
-hashed). With no seed, each choice gets 64 fresh random bits from ``secrets``.
+Random numbers are counter-based, not a stateful generator: the uniform for choice ``i``'s ``j``-th
+generated token is ``blake2b(j, key=choice seed)`` (53 bits, ``CounterRNG``), a function of
+(request seed, choice, position) alone. A token's draw therefore never depends on how many numbers were
+used before it, which is what keeps speculative decoding exact and seeded output identical with it on
+or off (coupled sampling: the draw at a verified position is the target's own sample; the draft is
+accepted iff it equals it; ``backend.engine``). With ``seed`` given, choice ``i``'s key is
+``blake2b(f"{seed}:{i}")`` (64 bits): the same seed and request give the same tokens whatever else is
+in the batch, and the ``n`` choices differ. Any Python int is accepted (negative or huge included; it
+is hashed). With no seed, each choice gets 64 fresh random bits from ``secrets``.
 
 Source followed: OpenAI API reference (chat completions: temperature, top_p,
 presence/frequency penalty, logit_bias, logprobs, seed); vLLM's sampler and
@@ -55,6 +59,25 @@ def choice_seed(seed: int | None, index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+class CounterRNG:
+    """Counter-based uniform numbers: ``uniform(j)`` is a pure function of the 64-bit key and ``j``.
+
+    ``blake2b`` keyed with the key, over ``j`` as 8 little-endian bytes; the top 53 bits of the 64-bit
+    digest scaled to ``[0, 1)`` (float64). About 1 us per number. Source followed: Salmon et al.,
+    "Parallel random numbers: as easy as 1, 2, 3" (SC 2011) for counter-based generation.
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, seed64: int) -> None:
+        self.key = (seed64 & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+
+    def uniform(self, counter: int) -> float:
+        """The uniform number of position ``counter`` (an int >= 0), in ``[0, 1)``."""
+        d = hashlib.blake2b(counter.to_bytes(8, "little"), key=self.key, digest_size=8).digest()
+        return (int.from_bytes(d, "little") >> 11) * (1.0 / (1 << 53))
+
+
 class ChoiceState:
     """Sampling state of one choice (one sequence).
 
@@ -66,7 +89,8 @@ class ChoiceState:
         eos_token_ids: the model's EOS ids (masked under ``min_tokens``; never penalised).
 
     Attributes:
-        generator: CPU ``torch.Generator`` (None for greedy).
+        generator: the choice's ``CounterRNG`` (None for greedy); the token at generated position ``j``
+            (``num_generated`` when it is drawn) uses ``generator.uniform(j)``.
         counts: ``[V] float32`` generated-token counts (only with presence/frequency penalty).
         seen: ``[V] bool`` prompt + generated tokens (only with repetition_penalty != 1).
         num_generated: tokens sampled so far.
@@ -97,10 +121,9 @@ class ChoiceState:
     ) -> None:
         self.params = params
         self.num_generated = 0
-        self.generator: torch.Generator | None = None
+        self.generator: CounterRNG | None = None
         if params.temperature > 0:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(choice_seed(params.seed, index))
+            self.generator = CounterRNG(choice_seed(params.seed, index))
         stop = sorted(set(eos_token_ids) | set(params.stop_token_ids))
         self.stop_ids = stop
         self.stop_ids_t = torch.tensor(stop, dtype=torch.int64) if stop else None
@@ -139,11 +162,14 @@ _CANDIDATES = 512  # top-k/top-p/min-p rows first look at this many best tokens
 
 
 def _draw(cdf: torch.Tensor, states: list[ChoiceState]) -> list[int]:
-    """Inverse-CDF draw: one uniform per row from the row's own generator.
+    """Inverse-CDF draw: per row the uniform of the row's next position (``CounterRNG``).
 
     ``cdf [R, K]`` non-decreasing (unnormalised). Returns R column indices.
     """
-    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in states]).to(cdf.dtype)
+    u = torch.tensor(
+        [s.generator.uniform(s.num_generated) for s in states],  # type: ignore[union-attr]
+        dtype=torch.float64,
+    ).to(cdf.dtype)
     target = u * cdf[:, -1]
     idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
     return idx.clamp_(max=cdf.shape[1] - 1).tolist()

@@ -6,6 +6,12 @@ sequence cap (``max_num_seqs``). One call to ``schedule()`` decides, in order:
 1. **Running decodes** (running sequences with exactly one uncomputed token),
    oldest admission first. A decode that needs a new block and finds none
    preempts the most recently admitted running sequence (possibly itself).
+   A decode that carries speculative draft tokens (``Sequence.draft``, set by the engine) becomes a
+   verify chunk of ``1 + len(draft)`` tokens: the drafts count against the token budget and are cut to
+   what it and the free blocks allow (a draft never preempts anything; it is dropped first).
+   After verification the engine calls ``accept_draft``: only the accepted drafts become computed
+   tokens, the rejected ones' tail blocks go back to the pool, and no rejected token is ever hashed
+   into the prefix cache.
 2. **Prefill chunks**, first of running sequences whose (re)prefill is not
    done, then of waiting sequences admitted FCFS (the first one that does not
    fit stops admission: no overtaking, so no starvation). Each prefill gets at
@@ -111,20 +117,24 @@ class ScheduledChunk:
     """The next ``num_tokens`` uncomputed tokens of ``seq``, starting at ``start``.
 
     ``need_logits`` is true when the chunk reaches the end of ``seq.token_ids``
-    (a token is sampled after it).
+    (a token is sampled after it). A verify chunk (``num_draft > 0``) is the sequence's last token
+    followed by its ``num_draft`` draft tokens (``seq.draft``): ``num_tokens = 1 + num_draft``, and
+    each of its rows needs logits.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
+    num_draft: int = 0
 
     @property
     def need_logits(self) -> bool:
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens - self.num_draft == len(self.seq.token_ids)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+        ids = self.seq.token_ids[self.start : self.start + self.num_tokens - self.num_draft]
+        return ids + self.seq.draft[: self.num_draft] if self.num_draft else ids
 
 
 @dataclass
@@ -226,6 +236,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft = []
         self.running.remove(seq)
         self._reserved -= 1 + seq.pending_forks
         self.bm.free(seq)
@@ -266,6 +277,16 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
+            d = min(len(seq.draft), budget - 1)
+            while d > 0 and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + d):
+                d -= 1
+            if d < len(seq.draft):
+                seq.draft = seq.draft[:d]
+            if d:
+                bm.allocate(seq, seq.num_computed_tokens + 1 + d)
+                scheduled[seq.seq_id] = ScheduledChunk(seq, seq.num_computed_tokens, 1 + d, d)
+                budget -= 1 + d
+                continue
             target = seq.num_computed_tokens + 1
             while not bm.can_allocate(seq, target):
                 if not preempt_last(seq):
@@ -278,8 +299,8 @@ class Scheduler:
             scheduled[seq.seq_id] = ScheduledChunk(seq, seq.num_computed_tokens, 1)
             budget -= 1
 
-        # the latency target: what the decodes leave of the step's time goes to prefill
-        decodes = len(scheduled)
+        # the latency target: what the decodes (and their drafts) leave of the step's time goes to prefill
+        decodes = sum(c.num_tokens for c in scheduled.values())
         budget = prefill_budget(self.cost, decodes, self.itl_target_s, budget, self.min_prefill_tokens)
 
         # 2a. running prefills (partially computed or forked), first pass capped
@@ -354,6 +375,9 @@ class Scheduler:
             ch.num_tokens += extra
             budget -= extra
 
+        for seq in self.running:  # a decode the budget did not reach verifies nothing
+            if seq.seq_id not in scheduled:
+                seq.draft = []
         # decodes (1 token) first, then longer chunks, each group in running order
         chunks = [c for c in scheduled.values()]
         out.chunks = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
@@ -379,18 +403,36 @@ class Scheduler:
     # ------------------------------------------------------------------ after the model ran
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
-        """Feed one executed plan's wall time (s) to the step-time model."""
-        decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
+        """Feed one executed plan's wall time (s) to the step-time model (a verify chunk's rows count as
+        decode rows)."""
+        decodes = sum(c.num_tokens for c in out.chunks if c.num_tokens == 1 or c.num_draft)
         self.cost.observe(decodes, out.num_tokens - decodes, seconds)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` of every chunk and register full blocks."""
+        """Advance ``num_computed_tokens`` of every chunk and register full blocks (of a verify chunk,
+        only its first token: its drafts count once accepted, ``accept_draft``)."""
         for ch in out.chunks:
             seq = ch.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = ch.start + ch.num_tokens
+            seq.num_computed_tokens = ch.start + ch.num_tokens - ch.num_draft
             self.bm.register_computed(seq)
+
+    def accept_draft(self, seq: Sequence, accepted: int) -> None:
+        """After verification: the first ``accepted`` draft tokens of ``seq`` were accepted.
+
+        The caller has appended the accepted drafts (and the token sampled after them, if the sequence
+        goes on) to ``seq.token_ids``. Their K/V, written by the verify pass, become computed tokens;
+        the blocks past what the sequence now holds are given back (``BlockManager.trim``); ``draft`` is
+        cleared. No-op for a sequence that is no longer running.
+        """
+        seq.draft = []
+        if seq.status is not SeqStatus.RUNNING:
+            return
+        if accepted:
+            seq.num_computed_tokens += accepted
+            self.bm.register_computed(seq)
+        self.bm.trim(seq, len(seq.token_ids))
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Turn ``parent``'s pending forks into running ``children`` (n > 1 choices).

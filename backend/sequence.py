@@ -96,6 +96,9 @@ class Sequence:
         arrival_order: FCFS key; admission keeps it, preemption re-queues by it.
         num_preemptions: times this sequence was preempted (recompute).
         timeline: what the engine did for it and when (``SeqTimeline``), or None (not asked: no cost).
+        draft: speculative tokens proposed to follow ``token_ids`` this step (not part of ``token_ids``;
+            the scheduler may shorten it, verification appends the accepted ones).
+        spec: the engine's drafting state for this sequence (``backend.proposer.DraftPolicy``), or None.
     """
 
     __slots__ = (
@@ -116,6 +119,8 @@ class Sequence:
         "num_cached_tokens",
         "sampling_state",
         "timeline",
+        "draft",
+        "spec",
     )
 
     def __init__(
@@ -148,6 +153,8 @@ class Sequence:
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache at first admission
         self.sampling_state: Any = None
         self.timeline: SeqTimeline | None = None  # only when the request asked to be inspected
+        self.draft: list[int] = []
+        self.spec: Any = None
 
     # -------------------------------------------------------------- lengths
 

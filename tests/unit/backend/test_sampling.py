@@ -190,6 +190,15 @@ def test_filtered_rows_do_not_depend_on_the_batch():
         mixed = st(None, [1], temperature=0.8, seed=5, **kw)
         wide = st(None, [1], temperature=1.0, seed=6, top_k=3000)
         plain = st(None, [1], temperature=1.0, seed=7)
-        a = [sample(rows[i : i + 1], [alone])[0][0] for i in range(3) for _ in range(10)]
-        b = [sample(rows[i].repeat(3, 1), [wide, mixed, plain])[0][1] for i in range(3) for _ in range(10)]
+        a, b = [], []
+        for i in range(3):
+            for _ in range(10):  # each draw at the next position (its own random number)
+                (t,), _ = sample(rows[i : i + 1], [alone])
+                alone.append(t)
+                a.append(t)
+                ts, _ = sample(rows[i].repeat(3, 1), [wide, mixed, plain])
+                for s, t in zip((wide, mixed, plain), ts):
+                    s.append(t)
+                b.append(ts[1])
         assert a == b, kw
+        assert len(set(a)) > 1, kw  # the positions drew different numbers

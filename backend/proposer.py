@@ -1,0 +1,116 @@
+"""N-gram (prompt-lookup) draft proposer for speculative decoding.
+
+A sequence's own context (prompt then generated tokens) is the draft model: when its last ``k`` tokens
+(``k`` from ``max_ngram`` down to ``min_ngram``, longest first) occurred earlier in the context, the
+tokens that followed that earlier occurrence are proposed as the next ones. Answers that quote their
+prompt, summaries, code edits, JSON repeating keys and multi-turn chats restating earlier turns repeat
+n-grams of their context, so these drafts are often right, and they cost no model pass.
+
+``NgramIndex`` keeps, per ``k``, a dict from each ``k``-gram of the context to the position just past
+its latest occurrence. It is updated incrementally (``O(max_ngram)`` per appended token, never a rescan),
+and a lookup is ``O(max_ngram)`` dict probes. The most recent earlier occurrence wins.
+
+``DraftPolicy`` decides per sequence whether to draft at all: a sequence whose drafts keep failing backs
+off (it skips drafting for a number of steps that doubles after each fully rejected draft, up to
+``max_backoff`` steps; any accepted token resets it), so open-ended text pays little for the drafts it
+cannot use.
+
+Plain Python, no torch. Source followed: Saxena, "Prompt Lookup Decoding" (2023); vLLM's ``ngram``
+speculative method (``prompt_lookup_min`` / ``prompt_lookup_max``); Leviathan et al., "Fast Inference
+from Transformers via Speculative Decoding" (ICML 2023) for why verification keeps the output exact.
+"""
+
+from __future__ import annotations
+
+
+class NgramIndex:
+    """Incremental index of one sequence's n-grams.
+
+    Args:
+        min_ngram, max_ngram: the match lengths looked up (tokens, ``1 <= min_ngram <= max_ngram``).
+
+    Attributes:
+        indexed: context positions ``e`` whose n-grams ending at ``e`` (exclusive) are in the index.
+    """
+
+    __slots__ = ("min_ngram", "max_ngram", "tables", "indexed")
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 4) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        # tables[k - min_ngram]: k-gram -> position just past its latest indexed occurrence
+        self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_ngram, max_ngram + 1)]
+        self.indexed = 0
+
+    def _index_upto(self, tokens: list[int], end: int) -> None:
+        """Index the n-grams that end at the positions ``(self.indexed, end]`` (exclusive ends)."""
+        lo = self.min_ngram
+        for e in range(max(self.indexed + 1, lo), end + 1):
+            for k in range(lo, min(self.max_ngram, e) + 1):
+                self.tables[k - lo][tuple(tokens[e - k : e])] = e
+        self.indexed = max(self.indexed, end)
+
+    def propose(self, tokens: list[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` draft tokens to follow ``tokens`` (the whole context so far).
+
+        ``tokens`` must extend the list given at earlier calls (tokens are only appended). Returns []
+        when no suffix of length ``min_ngram..max_ngram`` occurred earlier.
+        """
+        n = len(tokens)
+        if num_tokens <= 0 or n < self.min_ngram + 1:
+            return []
+        # every n-gram ending before the last position: the suffix itself must find an *earlier* occurrence
+        self._index_upto(tokens, n - 1)
+        lo = self.min_ngram
+        for k in range(min(self.max_ngram, n - 1), lo - 1, -1):
+            e = self.tables[k - lo].get(tuple(tokens[n - k :]))
+            if e is not None:
+                return tokens[e : min(n, e + num_tokens)]
+        return []
+
+
+class DraftPolicy:
+    """Per-sequence drafting state: its n-gram index and its back-off after rejected drafts.
+
+    Args:
+        num_speculative_tokens: most draft tokens per step (tokens).
+        min_ngram, max_ngram: see ``NgramIndex``.
+        max_backoff: most steps a failing sequence skips drafting (steps).
+
+    Attributes:
+        draft_tokens / accepted_tokens: this sequence's totals (tokens).
+    """
+
+    __slots__ = ("index", "k", "skip", "backoff", "max_backoff", "draft_tokens", "accepted_tokens")
+
+    def __init__(
+        self, num_speculative_tokens: int, min_ngram: int = 1, max_ngram: int = 4, max_backoff: int = 16
+    ) -> None:
+        self.index = NgramIndex(min_ngram, max_ngram)
+        self.k = num_speculative_tokens
+        self.skip = 0
+        self.backoff = 1
+        self.max_backoff = max_backoff
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Draft for the next step: at most ``min(num_speculative_tokens, limit)`` tokens, [] while backing off."""
+        if self.skip > 0:
+            self.skip -= 1
+            return []
+        return self.index.propose(tokens, min(self.k, limit))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Feed one verification's outcome (``accepted <= drafted`` tokens)."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if drafted == 0:
+            return
+        if accepted == 0:
+            self.skip = self.backoff
+            self.backoff = min(self.max_backoff, self.backoff * 2)
+        else:
+            self.backoff = 1
