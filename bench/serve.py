@@ -6,6 +6,7 @@ Usage::
         --concurrency 32 --num-requests 128 --prompt-tokens 128 --output-tokens 64 --json out.json
     python bench/serve.py ... --rate 12 --mix      # open loop: Poisson arrivals, mixed prompts, goodput
     python bench/serve.py ... --peer http://127.0.0.1:8080   # every workload against both, ratios
+    python bench/serve.py ... --speculative [--admin-key $ADMIN] [--peer URL]   # speculation off vs on
 
 Each request streams (``stream_options.include_usage``) a synthetic prompt of about ``--prompt-tokens``
 tokens (distinct per request, so the prefix cache does not serve it) and asks for exactly
@@ -21,6 +22,19 @@ question, so a server with a prefix cache computes the document once.
 cold ``--cold-tokens`` TTFT, the mixed open loop at ``--rate``, default 12/s) runs against ``--base-url``
 and then against the peer, workload by workload, back to back, and each figure is printed with its ratio
 ours / peer. ``--workloads`` picks some of ``closed1,closedN,short,cold,open``.
+
+``--speculative``: the prompt sets of ``bench/spec_prompts.py`` (``grounded``: quote, summarize, edit or extract
+from a given text, the answer reusing spans of the prompt; ``open``: open-ended chat), one request at a time,
+each prompt with the body extra ``"speculative": false`` then without it (the default, on), and with
+``--peer`` then against the peer (no extra field), greedy (``--spec-sampled``: also temperature 0.8 with a
+fixed ``seed``), ``--output-tokens`` (default 128 in this mode), stopping at EOS unless ``--ignore-eos``.
+Each prompt is first sent once with ``max_tokens`` 1 to every side, so that each finds it in its prefix cache
+(off and on share the tenant's cache salt; without this the second would be served from the first's cache).
+Per set: decode tok/s (completion tokens after the first / time from the first content to the end, summed
+over the prompts), end-to-end tok/s, the ratios on / off (and ours / peer), the acceptance from each
+response's ``timings`` (``accepted_tokens`` / ``draft_tokens``) and, with ``--admin-key``, per draft position
+from ``/admin/v1/stats`` (differences before / after a set: other traffic on the gateway counts too); the
+texts off and on must be identical (``MISMATCH`` otherwise, exit status 1).
 
 Printed and written to JSON (times in milliseconds):
 * request throughput (req/s) and output token throughput (tokens/s) over the whole run;
@@ -74,6 +88,9 @@ class Result:
     backend_ttft: float | None = None  # seconds
     gateway_internal: float | None = None  # seconds: the gateway's own share, measured inside it
     gateway_prep: float | None = None  # seconds: HTTP arrival -> Submit queued (part of gateway_internal)
+    text: str = ""  # the content received, joined
+    draft_tokens: int | None = None  # speculative decoding (``timings``, this gateway's extension)
+    accepted_tokens: int | None = None
 
 
 def make_prompt(n_tokens: int, i: int, rng: random.Random) -> str:
@@ -143,11 +160,19 @@ def slo_misses(results: list[Result], ttft_s: float, itl_s: float) -> dict[str, 
     }
 
 
-async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Result:
+async def one(
+    client: httpx.AsyncClient,
+    args,
+    i: int,
+    rng: random.Random,
+    messages: list[dict] | None = None,
+    extra: dict | None = None,
+) -> Result:
+    """One streaming request (``messages``: these instead of ``messages_for``; ``extra``: more body fields)."""
     res = Result(start=time.perf_counter())
     body = {
         "model": args.model,
-        "messages": messages_for(args, i, rng),
+        "messages": messages if messages is not None else messages_for(args, i, rng),
         "max_tokens": args.output_tokens,
         "temperature": args.temperature,
         "stream": True,
@@ -158,6 +183,7 @@ async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Re
         # as every other token is, so a skipped one does not read as a doubled inter-token gap
         body["ignore_eos"] = True
         body["skip_special_tokens"] = False
+    body.update(extra or {})
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     last = None
     try:
@@ -194,6 +220,7 @@ async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Re
                     elif last is not None:
                         res.itl.append(now - last)
                     last = now
+                    res.text += content
                 if ev.get("usage"):
                     res.completion_tokens = ev["usage"]["completion_tokens"]
                     res.prompt_tokens = ev["usage"]["prompt_tokens"]
@@ -204,6 +231,9 @@ async def one(client: httpx.AsyncClient, args, i: int, rng: random.Random) -> Re
                     res.gateway_internal = t["gateway_overhead_duration"] / 1e9
                 if "gateway_prep_duration" in t:
                     res.gateway_prep = t["gateway_prep_duration"] / 1e9
+                if "draft_tokens" in t:
+                    res.draft_tokens = t["draft_tokens"]
+                    res.accepted_tokens = t.get("accepted_tokens", 0)
         res.e2e = time.perf_counter() - res.start
         res.ok = res.ttft is not None
         if not res.ok:
@@ -398,6 +428,240 @@ def compare(args) -> int:
     return 1 if failed else 0
 
 
+# ---------------------------------------------------------------------- --speculative: off vs on
+
+
+def _spec_sets(args) -> dict[str, list[tuple[str, list[dict]]]]:
+    """``bench/spec_prompts.py``'s sets (loaded next to this file), the first ``--spec-prompts`` of each."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from spec_prompts import SETS
+
+    n = args.spec_prompts or None
+    return {s: items[:n] for s, items in SETS.items() if s in args.spec_sets.split(",")}
+
+
+async def _model_id(client: httpx.AsyncClient, url: str, key: str) -> str:
+    """The first model ``url`` serves (waits up to a minute for a server still loading its model)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = None
+    for _ in range(120):
+        r = await client.get(url.rstrip("/") + "/v1/models", headers=headers)
+        if r.status_code == 200:
+            break
+        await trio.sleep(0.5)
+    data = r.json()
+    return (data.get("data") or data.get("models"))[0].get("id") or "default"
+
+
+async def _admin_spec(client: httpx.AsyncClient, args) -> tuple[int, int, int, list[int]] | None:
+    """The gateway's summed speculation counters (``/admin/v1/stats``), or None without ``--admin-key``."""
+    if not args.admin_key:
+        return None
+    r = await client.get(
+        args.base_url.rstrip("/") + "/admin/v1/stats", headers={"Authorization": f"Bearer {args.admin_key}"}
+    )
+    if r.status_code != 200:
+        print(f"  /admin/v1/stats: HTTP {r.status_code}; no per-position figures", file=sys.stderr)
+        return None
+    d = r.json()
+    return (
+        d.get("spec_drafts", 0),
+        d.get("spec_draft_tokens", 0),
+        d.get("spec_accepted_tokens", 0),
+        list(d.get("spec_accepted_per_pos") or []),
+    )
+
+
+def _per_pos(before, after) -> list[float] | None:
+    """Per-position acceptance between two ``_admin_spec`` snapshots: accepted at j / verify chunks."""
+    if before is None or after is None:
+        return None
+    drafts = after[0] - before[0]
+    if drafts <= 0:
+        return []
+    return [(a - (before[3][j] if j < len(before[3]) else 0)) / drafts for j, a in enumerate(after[3])]
+
+
+def _decode_tok_s(results: list[Result]) -> float | None:
+    """Completion tokens after the first / time from the first content to the end, summed over ``results``."""
+    toks = sum(max(0, r.completion_tokens - 1) for r in results if r.ok)
+    secs = sum(r.e2e - r.ttft for r in results if r.ok and r.e2e is not None and r.ttft is not None)
+    return toks / secs if secs else None
+
+
+def _e2e_tok_s(results: list[Result]) -> float | None:
+    toks = sum(r.completion_tokens for r in results if r.ok)
+    secs = sum(r.e2e for r in results if r.ok and r.e2e is not None)
+    return toks / secs if secs else None
+
+
+async def spec_run(args) -> dict:
+    """The ``--speculative`` runs (see the module docstring); returns rows per (set, sampling)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
+        ours_model = args.model or await _model_id(client, args.base_url, args.api_key)
+        variants = [
+            ("off", args.base_url, args.api_key, ours_model, {"speculative": False}),
+            ("on", args.base_url, args.api_key, ours_model, {}),
+        ]
+        if args.peer:
+            peer_model = await _model_id(client, args.peer, args.peer_api_key)
+            variants.append(("peer", args.peer, args.peer_api_key, peer_model, {}))
+        sets = _spec_sets(args)
+        samplings = [("greedy", 0.0)] + ([("T=0.8 seeded", 0.8)] if args.spec_sampled else [])
+
+        def ns(url: str, key: str, model: str, temperature: float, max_tokens: int) -> argparse.Namespace:
+            return argparse.Namespace(
+                **{
+                    **vars(args),
+                    "base_url": url,
+                    "api_key": key,
+                    "model": model,
+                    "temperature": temperature,
+                    "output_tokens": max_tokens,
+                    "mix": False,
+                }
+            )
+
+        first = next(iter(sets.values()))[0][1]
+        for w in range(args.warmup):
+            for _, url, key, model, extra in variants:
+                await one(client, ns(url, key, model, 0.0, 16), -1 - w, random.Random(0), first, extra)
+        rows = []
+        mismatches: list[str] = []
+        for set_name, items in sets.items():
+            for label, temp in samplings:
+                before = await _admin_spec(client, args)
+                got: dict[str, list[Result]] = {v[0]: [] for v in variants}
+                for j, (pname, msgs) in enumerate(items):
+                    # the prompt once with max_tokens 1 first, so that off, on and the peer all find it in
+                    # their prefix caches (the tenant's cache salt is the same for off and on): end-to-end
+                    # figures then compare like with like
+                    for _, url, key, model, extra in variants:
+                        await one(client, ns(url, key, model, 0.0, 1), j, random.Random(j), msgs, extra)
+                    for name, url, key, model, extra in variants:
+                        body_extra = {**extra, **({"seed": 1000 + j} if temp else {})}
+                        r = await one(
+                            client,
+                            ns(url, key, model, temp, args.output_tokens),
+                            j,
+                            random.Random(j),
+                            msgs,
+                            body_extra,
+                        )
+                        got[name].append(r)
+                        if not r.ok:
+                            print(f"  {set_name}/{pname} {name}: error {r.status} {r.error}", file=sys.stderr)
+                    off, on = got["off"][-1], got["on"][-1]
+                    same = off.ok and on.ok and off.text == on.text
+                    if off.ok and on.ok and not same:
+                        n = next(
+                            (i for i, (a, b) in enumerate(zip(off.text, on.text)) if a != b),
+                            min(len(off.text), len(on.text)),
+                        )
+                        msg = (
+                            f"MISMATCH: {set_name}/{pname} ({label}): the text differs with speculation on "
+                            f"(first difference at character {n}; {off.completion_tokens} vs "
+                            f"{on.completion_tokens} tokens)"
+                        )
+                        mismatches.append(msg)
+                        print("!!! " + msg, file=sys.stderr, flush=True)
+                    parts = [f"{v}: {_decode_tok_s([got[v][-1]]) or 0:.1f}" for v in got if got[v][-1].ok]
+                    print(
+                        f"  {set_name:8s} {label:12s} {pname:14s} {on.prompt_tokens:4d} prompt / "
+                        f"{on.completion_tokens:4d} out tokens, decode tok/s {', '.join(parts)}; accepted "
+                        f"{on.accepted_tokens}/{on.draft_tokens}{'' if same else '  MISMATCH'}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                after = await _admin_spec(client, args)
+                on_ok = [r for r in got["on"] if r.ok]
+                drafted = sum(r.draft_tokens or 0 for r in on_ok)
+                accepted = sum(r.accepted_tokens or 0 for r in on_ok)
+                row = {
+                    "set": set_name,
+                    "sampling": label,
+                    "prompts": len(items),
+                    "errors": sum(1 for v in got.values() for r in v if not r.ok),
+                    "output_tokens": sum(r.completion_tokens for r in on_ok),
+                    "identical": all(
+                        a.ok and b.ok and a.text == b.text for a, b in zip(got["off"], got["on"])
+                    ),
+                    "draft_tokens": drafted,
+                    "accepted_tokens": accepted,
+                    "acceptance_rate": accepted / drafted if drafted else None,
+                    "acceptance_per_pos": _per_pos(before, after),
+                    "off_draft_tokens": sum(r.draft_tokens or 0 for r in got["off"] if r.ok),
+                }
+                for v in got:
+                    row[f"{v}_tok_s"] = _decode_tok_s(got[v])
+                    row[f"{v}_e2e_tok_s"] = _e2e_tok_s(got[v])
+                    row[f"{v}_ttft_ms"] = summary([r.ttft for r in got[v] if r.ok and r.ttft is not None])[
+                        "p50"
+                    ]
+                rows.append(row)
+    return {"rows": rows, "mismatches": mismatches, "peer": bool(args.peer)}
+
+
+def speculative_main(args) -> int:
+    """``--speculative``: run, print the table, write ``--json``; 1 on errors or a mismatch."""
+    res = trio.run(spec_run, args)
+
+    def f(x, fmt=".1f"):
+        return "-" if x is None else format(x, fmt)
+
+    def ratio(a, b):
+        return "-" if a is None or not b else f"{a / b:.2f}x"
+
+    peer = res["peer"]
+    head = "| set | sampling | prompts | out tokens | off tok/s | on tok/s | on / off |"
+    sep = "|---|---|---|---|---|---|---|"
+    if peer:
+        head += f" {args.peer_name} tok/s | on / {args.peer_name} |"
+        sep += "---|---|"
+    head += " e2e tok/s off / on | accepted / drafted | acceptance | per position | same text |"
+    sep += "---|---|---|---|---|"
+    lines = [
+        f'speculation through {args.base_url}: off = body extra "speculative": false, on = the default; '
+        f"max_tokens {args.output_tokens}{', ignore_eos' if args.ignore_eos else ''}; one request at a time",
+        "",
+        head,
+        sep,
+    ]
+    for r in res["rows"]:
+        line = (
+            f"| {r['set']} | {r['sampling']} | {r['prompts']} | {r['output_tokens']} | {f(r['off_tok_s'])} | "
+            f"{f(r['on_tok_s'])} | {ratio(r['on_tok_s'], r['off_tok_s'])} |"
+        )
+        if peer:
+            line += f" {f(r['peer_tok_s'])} | {ratio(r['on_tok_s'], r['peer_tok_s'])} |"
+        pos = r["acceptance_per_pos"]
+        line += (
+            f" {f(r['off_e2e_tok_s'])} / {f(r['on_e2e_tok_s'])} | {r['accepted_tokens']} / {r['draft_tokens']} | "
+            f"{f(r['acceptance_rate'], '.2f')} | {' '.join(f'{x:.2f}' for x in pos) if pos else '-'} | "
+            f"{'yes' if r['identical'] else 'MISMATCH'} |"
+        )
+        lines.append(line)
+    print("\n".join(lines))
+    print(
+        "\n- tok/s: completion tokens after the first / time from the first content to the end, summed over the "
+        "set's prompts; e2e tok/s: completion tokens / request time\n- acceptance: accepted_tokens / "
+        "draft_tokens of the responses' timings; per position (with --admin-key): verify chunks whose draft "
+        "token j was accepted / verify chunks, from /admin/v1/stats"
+    )
+    for m in res["mismatches"]:
+        print(f"!!! {m}")
+    errors = sum(r["errors"] for r in res["rows"])
+    if errors:
+        print(f"{errors} requests failed", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as fh:
+            cfg = {k: v for k, v in vars(args).items() if k not in ("api_key", "peer_api_key", "admin_key")}
+            json.dump({"config": cfg, **res}, fh, indent=2)
+    return 1 if errors or res["mismatches"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -408,9 +672,21 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--rate", type=float, default=0.0, help="open loop: Poisson arrivals, requests/s")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument(
+        "--output-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of each request (default 64; 128 with --speculative)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    ap.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        default=None,
+        help="stop at EOS (the default with --speculative; otherwise ignore_eos is sent)",
+    )
+    ap.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="send ignore_eos (default)")
     ap.add_argument("--mix", action="store_true", help="mixed prompt lengths and a shared document")
     ap.add_argument("--mix-lengths", default="32,128,512", help="prompt lengths of --mix (tokens)")
     ap.add_argument("--shared-doc-tokens", type=int, default=600)
@@ -428,7 +704,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", default=None, help="write the results here")
+    sp = ap.add_argument_group("speculative decoding (--speculative)")
+    sp.add_argument(
+        "--speculative",
+        action="store_true",
+        help='the grounded and open prompt sets one at a time, with "speculative": false then the default '
+        "(and against --peer without the field); instead of the load runs",
+    )
+    sp.add_argument("--spec-sets", default="grounded,open", help="prompt sets of bench/spec_prompts.py")
+    sp.add_argument(
+        "--spec-prompts", type=int, default=0, help="only the first N prompts of each set (0: all)"
+    )
+    sp.add_argument("--spec-sampled", action="store_true", help="also temperature 0.8 with a fixed seed")
+    sp.add_argument(
+        "--admin-key",
+        default=os.environ.get("LLM_GATEWAY_ADMIN_KEY", ""),
+        help="read per-position acceptance from /admin/v1/stats (default $LLM_GATEWAY_ADMIN_KEY)",
+    )
     args = ap.parse_args(argv)
+    if args.output_tokens is None:
+        args.output_tokens = 128 if args.speculative else 64
+    if args.ignore_eos is None:
+        args.ignore_eos = not args.speculative
+    if args.speculative:
+        return speculative_main(args)
     if args.peer:
         return compare(args)
     res = trio.run(run, args)
