@@ -73,7 +73,7 @@ from backend.protocol import (
     TokenLogprob,
     Usage,
 )
-from backend.sampling import ChoiceState, sample
+from backend.sampling import ChoiceState, sample, verify_draft
 from backend.sampling_rules import check_sampling
 from backend.scheduler import Scheduler, SchedulerOutput
 from backend.sequence import SeqStatus, SeqTimeline, Sequence
@@ -661,20 +661,9 @@ class Engine:
                 continue
             i = seq.index
             state = req.states[i]
-            draft = seq.draft[:d]
-            toks: list[int] = []
-            lps: list[TokenLogprob | None] = []
-            matched = 0
-            for j in range(d + 1):
-                (tok,), (lp,) = sample(logits[r0 + j : r0 + j + 1], [state])
-                state.append(tok)
-                toks.append(tok)
-                lps.append(lp)
-                if j == d or tok != draft[j]:
-                    break
-                matched += 1
-                if tok in req.stop_set or state.num_generated >= req.params.max_tokens:
-                    break
+            toks, lps, matched = verify_draft(
+                logits[r0 : r0 + d + 1], seq.draft[:d], state, req.stop_set, req.params.max_tokens
+            )
             self.spec_drafts += 1
             self.spec_draft_tokens += d
             self.spec_accepted_tokens += matched

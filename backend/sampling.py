@@ -384,3 +384,49 @@ def sample(
                 top = [(t, v) for t, v in zip(ids.tolist(), vals.tolist()) if v != float("-inf")]
             out_lp[i] = TokenLogprob(tokens[i], float(row[tokens[i]].item()), top)
     return tokens, out_lp
+
+
+def verify_draft(
+    logits: torch.Tensor,
+    draft: list[int],
+    state: ChoiceState,
+    stop_ids: frozenset[int] | set[int],
+    max_tokens: int,
+) -> tuple[list[int], list[TokenLogprob | None], int]:
+    """Coupled verification of ``draft`` against the target's logits (speculative decoding).
+
+    Args:
+        logits: ``[d + 1, V] float32``: row ``j`` is the target's next-token logits after the context
+            plus ``draft[:j]`` (the verify pass's rows).
+        draft: the ``d`` proposed tokens.
+        state: the choice's ``ChoiceState``; every emitted token is appended to it (``state.append``).
+        stop_ids: tokens that end the choice (EOS, stop ids): nothing is emitted after one.
+        max_tokens: the choice's generation limit (tokens).
+
+    Position by position, the token is drawn exactly as ``sample`` draws it (every transform, the
+    position's own uniform number); the draft token there is accepted iff the drawn token equals it.
+    Emission stops at the first mismatch (the drawn token replaces the draft's), after the token that
+    follows an all-accepted draft, at a stop token or at ``max_tokens``. Every emitted token is a
+    draw from the target's distribution given the tokens before it, so the output has the target's
+    distribution, and with a seed it is the same token sequence as without speculation (Leviathan et
+    al., ICML 2023, with the draft deterministic and the randomness shared through ``CounterRNG``).
+
+    Returns:
+        ``(tokens, logprobs, accepted)``: the emitted tokens (``1..d + 1``), their ``TokenLogprob`` or
+        None each, and how many of them were accepted draft tokens.
+    """
+    toks: list[int] = []
+    lps: list[TokenLogprob | None] = []
+    accepted = 0
+    d = len(draft)
+    for j in range(d + 1):
+        (tok,), (lp,) = sample(logits[j : j + 1], [state])
+        state.append(tok)
+        toks.append(tok)
+        lps.append(lp)
+        if j == d or tok != draft[j]:
+            break
+        accepted += 1
+        if tok in stop_ids or state.num_generated >= max_tokens:
+            break
+    return toks, lps, accepted

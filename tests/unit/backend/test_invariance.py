@@ -19,10 +19,8 @@ Run: ``.venv/bin/python -m pytest -q tests/unit/backend/test_invariance.py``.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from backend.engine import Engine, collect_tokens
-from backend.model_runner import ModelRunner
 from backend.protocol import SamplingParams, Submit
 
 pytestmark = pytest.mark.slow
@@ -31,12 +29,9 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def runner(model_path):
-    """The default dtype on one thread (two threads on the shared 2-core test VM were ~15x slower under
-    load; the matmul row tiles are probed for the thread count in use, see ``row_tiles``)."""
-    threads = torch.get_num_threads()
-    yield ModelRunner(model_path, dtype="bfloat16", num_kv_blocks=400, num_threads=1)
-    torch.set_num_threads(threads)
+def runner(one_thread_runner):
+    """The default dtype on one thread (``one_thread_runner``, shared with ``test_speculative``)."""
+    return one_thread_runner("bfloat16")
 
 
 @pytest.fixture(scope="module")

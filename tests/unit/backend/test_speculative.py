@@ -1,0 +1,308 @@
+"""Speculative decoding (n-gram drafts, one verify pass) is lossless, leaks nothing, and counts honestly.
+
+- The proposer finds the latest earlier occurrence of the longest matching suffix, incrementally.
+- Coupled verification draws every position from the target's distribution: a chi-square test over
+  synthetic logits (no model), against the exact probabilities, and token-equal to plain sampling per seed.
+- Random drafts, rejections, aborts and preemptions leave no block leaked and no rejected token hashed
+  into the prefix cache (hypothesis, scheduler + block manager, no model).
+- With the real model: the 6 fixture chats and 10 repetition-heavy prompts give the same tokens greedy
+  with speculation on and off, each alone and all in one batch of 16, in bfloat16 (the default CPU mode)
+  and float32; 20 seeds at temperature 0.8 give the same text too, with drafts both accepted and
+  rejected; the engine's counters are consistent.
+
+Run: ``.venv/bin/python -m pytest -q tests/unit/backend/test_speculative.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.block_manager import BlockManager
+from backend.engine import Engine, collect_tokens, final_output
+from backend.proposer import DraftPolicy, NgramIndex
+from backend.protocol import SamplingParams, Submit
+from backend.sampling import ChoiceState, sample, verify_draft
+from backend.scheduler import Scheduler
+from backend.sequence import SeqStatus, Sequence
+
+# ----------------------------------------------------------------------------------------- proposer
+
+
+def _brute(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    n = len(tokens)
+    for m in range(min(hi, n - 1), lo - 1, -1):
+        suffix = tokens[n - m :]
+        for e in range(n - 1, m - 1, -1):  # latest earlier occurrence ending at e (exclusive)
+            if tokens[e - m : e] == suffix:
+                return tokens[e : min(n, e + k)]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 3), st.integers(0, 2))
+def test_ngram_index_matches_a_rescan(tokens, lo, extra):
+    """Called after every appended token, the index proposes what a full rescan of the context finds."""
+    hi = lo + extra
+    idx = NgramIndex(lo, hi)
+    for n in range(1, len(tokens) + 1):
+        assert idx.propose(tokens[:n], 5) == _brute(tokens[:n], lo, hi, 5), (tokens[:n], lo, hi)
+
+
+def test_draft_policy_backs_off_and_recovers():
+    p = DraftPolicy(4, 1, 2, max_backoff=4)
+    ctx = [1, 2, 3, 1, 2]
+    assert p.propose(ctx, 10) == [3, 1, 2]
+    p.record(3, 0)  # fully rejected: skip the next step
+    assert p.propose(ctx, 10) == []
+    assert p.propose(ctx, 10) == [3, 1, 2]
+    p.record(3, 0)  # again: skip two
+    assert p.propose(ctx, 10) == [] and p.propose(ctx, 10) == []
+    p.record(3, 2)  # an accepted token resets the back-off
+    assert p.backoff == 1 and (p.draft_tokens, p.accepted_tokens) == (9, 2)
+    assert p.propose(ctx, 2) == [3, 1]  # the limit caps the draft
+
+
+# ------------------------------------------------------------------------- coupled sampling (no model)
+
+V = 6
+
+
+def _state(seed: int, **kw) -> ChoiceState:
+    return ChoiceState(SamplingParams(temperature=0.8, seed=seed, **kw), 0, [0], V, [])
+
+
+def _probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    x = logits / temperature
+    keep = torch.topk(x, top_k).indices
+    p = torch.zeros(V, dtype=torch.float64)
+    p[keep] = torch.softmax(x[keep].double(), 0)
+    return p
+
+
+def test_coupled_verification_has_the_target_distribution():
+    """Two positions: the target's logits at position 1 depend on the token at position 0. The draft is
+    fixed (a deterministic proposer). 20,000 seeds: the emitted pair (verify, then the next step's plain
+    draw when the draft was rejected) follows the target's joint distribution (chi-square, p >= 1e-3),
+    and each seed gives exactly the pair that plain sampling without speculation gives."""
+    gen = torch.Generator().manual_seed(1234)
+    l0 = torch.randn(V, generator=gen) * 1.5
+    l1 = torch.randn(V, V, generator=gen) * 1.5  # l1[x0]: logits at position 1 after x0
+    draft = [int(torch.argmax(l0)), 2]
+    kw = {"top_k": 5}
+    p0 = _probs(l0, 0.8, 5)
+    expected = torch.stack([p0[a] * _probs(l1[a], 0.8, 5) for a in range(V)])  # [V, V] joint
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    accepted_any = rejected_any = False
+    N = 20_000
+    for seed in range(N):
+        s = _state(seed, **kw)
+        rows = torch.stack([l0, l1[draft[0]], l1[draft[1]]]).float()
+        toks, _, acc = verify_draft(rows, draft, s, frozenset(), 100)
+        if len(toks) == 1:  # rejected at position 0: the next step samples position 1 plainly
+            (t1,), _ = sample(l1[toks[0]].unsqueeze(0).float(), [s])
+            toks.append(t1)
+        accepted_any |= acc > 0
+        rejected_any |= acc < len(draft)
+        counts[toks[0], toks[1]] += 1
+        if seed < 300:  # the same seed without speculation: one plain draw per position
+            q = _state(seed, **kw)
+            (a,), _ = sample(l0.unsqueeze(0), [q])
+            q.append(a)
+            (b,), _ = sample(l1[a].unsqueeze(0), [q])
+            assert [a, b] == toks[:2], seed
+    assert accepted_any and rejected_any
+    mask = expected > 0
+    assert counts[~mask].sum() == 0  # nothing outside the top-k support
+    e = expected[mask] * N
+    chi2 = float(((counts[mask] - e) ** 2 / e).sum())
+    df = int(mask.sum()) - 1
+    pval = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
+    assert pval >= 1e-3, (chi2, df, pval)
+
+
+# ------------------------------------------------------------------- no leaks (scheduler, no model)
+
+
+def _simulate(seed: int, num_blocks: int, caching: bool) -> dict[str, int]:
+    """Random sequences decode with random drafts and random acceptance; some are aborted; a small pool
+    forces preemptions. Checks after every step: the refcounts match the owners, each sequence's
+    prefix-cache hashes are those of its committed tokens (never a rejected draft), no sequence holds a
+    block past its tokens; at the end every block is free. Returns what happened (counts)."""
+    rng = random.Random(seed)
+    bs = 4
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=caching)
+    sch = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=24)
+    seqs = []
+    seen = {"verify": 0, "accepted": 0, "rejected": 0, "aborts": 0}
+    for _ in range(8):
+        prompt = [rng.randrange(5) for _ in range(rng.randrange(1, 10))]
+        s = Sequence(prompt, max_tokens=rng.randrange(1, 14))
+        seqs.append(s)
+        sch.add(s)
+    for _ in range(400):
+        if not sch.has_work():
+            break
+        for s in sch.running:
+            if s.num_uncomputed == 1 and rng.random() < 0.7:
+                room = s.max_tokens - s.num_generated - 1
+                s.draft = [rng.randrange(5) for _ in range(rng.randrange(0, 6))][: max(0, room)]
+        plan = sch.schedule()
+        if not plan.chunks:  # the pool cannot hold one sequence: give up on the rest
+            for s in list(sch.waiting):
+                sch.finish(s)
+            break
+        sch.update_after_step(plan)
+        for c in plan.chunks:
+            s = c.seq
+            if s.status is not SeqStatus.RUNNING or not c.need_logits:
+                continue
+            acc = rng.randrange(c.num_draft + 1) if c.num_draft else 0
+            if c.num_draft:
+                seen["verify"] += 1
+                seen["accepted"] += acc
+                seen["rejected"] += c.num_draft - acc
+            new = s.draft[:acc] + [rng.randrange(5)]
+            if s.num_generated + len(new) >= s.max_tokens or rng.random() < 0.05:
+                seen["aborts"] += 1
+                sch.finish(s)  # length or an abort
+                continue
+            s.token_ids.extend(new)
+            if c.num_draft:
+                sch.accept_draft(s, acc)
+            assert not s.draft
+        sch.check_invariants()
+        for s in sch.running:
+            assert len(s.block_table) <= bm.blocks_for(len(s.token_ids))
+            assert s.num_computed_tokens <= len(s.token_ids)
+            for i, key in enumerate(s.block_hashes):
+                toks = tuple(s.token_ids[i * bs : (i + 1) * bs])
+                parent = s.block_hashes[i - 1] if i else 0x5EED
+                assert key == bm._key(parent, s.cache_salt, toks)
+                assert (i + 1) * bs <= s.num_computed_tokens
+        for key, b in bm.key_to_block.items():
+            assert bm.block_key[b] == key and len(bm.block_tokens[b]) == bs
+    for s in seqs:
+        sch.finish(s)
+    sch.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    seen["preemptions"] = sch.num_preemptions
+    return seen
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(6, 40), st.booleans())
+def test_drafts_rejections_aborts_and_preemptions_leak_nothing(seed, num_blocks, caching):
+    _simulate(seed, num_blocks, caching)
+
+
+def test_the_simulation_exercises_every_path():
+    """The simulation above does verify, accept, reject, abort and preempt (it could not pass vacuously)."""
+    total: dict[str, int] = {}
+    for seed in range(30):
+        for k, v in _simulate(seed, 8 + seed % 20, bool(seed % 2)).items():
+            total[k] = total.get(k, 0) + v
+    assert all(v > 0 for v in total.values()), total
+
+
+# ------------------------------------------------------------------------------ the real model
+
+NEW_TOKENS = 32
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+PARAGRAPH = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+    "they agreed to fund the reading room, the children's corner and the archive, but postponed the cafe "
+    "until next year, when the city expects more revenue from the harbour tax."
+)
+CODE = "def area(w, h):\n    return w + h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+REPETITION = [
+    [("user", f"Repeat this paragraph exactly:\n\n{PARAGRAPH}")],
+    [("user", f"Copy the following text word for word:\n{PARAGRAPH}")],
+    [("user", f"Fix the bug in area and return the whole file:\n\n{CODE}")],
+    [("user", f"Rename the parameter w to width in this code:\n\n{CODE}")],
+    [("user", f'Extract JSON with keys "day", "funded", "postponed" from: {PARAGRAPH}')],
+    [("user", "Extract the name, age and city as JSON: Maria Lopez is 34 and lives in Porto.")],
+    [("user", "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 again, separated by commas.")],
+    [("user", f"Summarize in one sentence: {PARAGRAPH}")],
+    [
+        ("user", "My name is Ada and I live in Lyon. What is my name?"),
+        ("assistant", "Your name is Ada and you live in Lyon."),
+        ("user", "Where do I live, and what is my name? Answer in the same words."),
+    ],
+    [("user", "Say 'hello world' five times.")],
+]
+
+
+def _chatml(turns: list[tuple[str, str]]) -> str:
+    out = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+    for role, text in turns:
+        out += f"<|im_start|>{role}\n{text}<|im_end|>\n"
+    return out + "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_fixtures, model_path) -> list[list[int]]:
+    from templating.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    return [c["prompt_ids"] for c in chat_fixtures] + [tok.encode_prompt(_chatml(t)) for t in REPETITION]
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    res = engine.generate(
+        [Submit(request_id=str(i), prompt_ids=p, sampling=s) for i, (p, s) in enumerate(zip(prompts, params))]
+    )
+    out = []
+    for i in range(len(prompts)):
+        fin = final_output(res[str(i)])
+        out.append((collect_tokens(res[str(i)]), fin.finish_reason, fin.stop_token_id))
+    return out
+
+
+def _check_counters(engine: Engine) -> None:
+    st = engine.stats()
+    assert 0 <= st.spec_accepted_tokens <= st.spec_draft_tokens
+    assert st.spec_drafts <= st.spec_draft_tokens <= st.spec_drafts * engine.num_speculative_tokens
+    assert sum(st.spec_accepted_per_pos) == st.spec_accepted_tokens
+    assert all(a >= b for a, b in zip(st.spec_accepted_per_pos, st.spec_accepted_per_pos[1:]))
+    assert st.kv_blocks_used == 0  # everything given back
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_is_lossless_alone_and_in_a_batch(one_thread_runner, prompts, dtype):
+    """bfloat16: the 16 prompts, 32 tokens; float32 (3x slower per token): the 10 repetition-heavy ones,
+    16 tokens."""
+    runner = one_thread_runner(dtype)
+    chosen = prompts if dtype == "bfloat16" else prompts[6:]
+    n = NEW_TOKENS if dtype == "bfloat16" else NEW_TOKENS // 2
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n)] * len(chosen)
+    ref = _run(Engine(runner), chosen, greedy)  # speculation off, one batch (batch-invariant)
+    eng = Engine(runner, num_speculative_tokens=5, speculative_max_batch=16)
+    batch = _run(eng, chosen, greedy)
+    alone = [_run(eng, [p], greedy[:1])[0] for p in chosen]
+    assert batch == ref
+    assert alone == ref
+    st = eng.stats()
+    assert st.spec_accepted_tokens > 0 and st.spec_accepted_tokens < st.spec_draft_tokens
+    _check_counters(eng)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_lossless_with_drafts_accepted_and_rejected(one_thread_runner, prompts):
+    runner = one_thread_runner("bfloat16")
+    p = prompts[6]  # repeat a paragraph
+    seeded = [SamplingParams(temperature=0.8, seed=s, max_tokens=NEW_TOKENS) for s in range(20)]
+    off = _run(Engine(runner), [p] * 20, seeded)
+    eng = Engine(runner, num_speculative_tokens=5, speculative_max_batch=32)
+    on = _run(eng, [p] * 20, seeded)
+    assert on == off
+    assert len({tuple(t) for t, _, _ in off}) > 10  # the seeds differ
+    st = eng.stats()
+    rate = st.spec_accepted_tokens / st.spec_draft_tokens
+    assert 0.05 < rate < 0.95, rate
+    _check_counters(eng)
