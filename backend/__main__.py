@@ -50,7 +50,9 @@ def _bytes(s: str) -> int:
     return int(s)
 
 
-SPEC_TOKENS = 5  # measured: docs/perf.md, "Speculative decoding"
+SPEC_TOKENS = (
+    3  # measured: docs/perf.md, "Speculative decoding" (4 rows = one weight load of the int4 kernel)
+)
 SPEC_MAX_BATCH = 4
 
 
@@ -149,8 +151,9 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         parser.add_argument(
             "--prompt-lookup-min",
             type=int,
-            default=1,
-            help="shortest n-gram the draft proposer matches (tokens, default 1)",
+            default=2,
+            help="shortest n-gram the draft proposer matches (tokens, default 2; 1 drafted on chance matches "
+            "of single tokens)",
         ),
         parser.add_argument(
             "--prompt-lookup-max",

@@ -157,7 +157,7 @@ class Engine:
         threads: ThreadGovernor | None = None,
         num_speculative_tokens: int = 0,
         speculative_max_batch: int = 4,
-        prompt_lookup_min: int = 1,
+        prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
     ) -> None:
         if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:

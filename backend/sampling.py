@@ -419,8 +419,21 @@ def verify_draft(
     lps: list[TokenLogprob | None] = []
     accepted = 0
     d = len(draft)
+    plain_greedy = (
+        state.generator is None
+        and not state.want_logprobs
+        and state.bias_ids is None
+        and state.counts is None
+        and state.seen is None
+        and state.matcher is None
+        and state.num_generated >= state.params.min_tokens
+    )  # then one argmax over all rows is what ``sample`` computes row by row
+    am = torch.argmax(logits.float(), dim=-1).tolist() if plain_greedy else None
     for j in range(d + 1):
-        (tok,), (lp,) = sample(logits[j : j + 1], [state])
+        if am is not None:
+            tok, lp = am[j], None
+        else:
+            (tok,), (lp,) = sample(logits[j : j + 1], [state])
         state.append(tok)
         toks.append(tok)
         lps.append(lp)

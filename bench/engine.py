@@ -17,7 +17,7 @@ Measures, on one ``Engine`` over one ``ModelRunner``:
   the 12 schemas in ``tests/data/structured_schemas.json`` (p50/p99).
 
 ``--speculative`` (instead of the runs above): n-gram speculative decoding off (K=0) vs on
-(``--num-speculative-tokens`` K, default 5) in one run over one model load. For each prompt set of
+(``--num-speculative-tokens`` K, default the backend's) in one run over one model load. For each prompt set of
 ``bench/spec_prompts.py`` (``grounded``: quote, summarize, edit or extract from a given text, whose answer
 reuses spans of the prompt; ``open``: open-ended chat), rendered by the model's own chat template, each
 prompt runs alone, greedy (and with ``--spec-sampled`` also temperature 0.8 with a fixed seed), first with
@@ -38,8 +38,8 @@ Usage::
     python bench/engine.py [--dtype bfloat16|float32|float16] [--device cpu|cuda]
         [--concurrency 1,8,32,64] [--prompt-len 128] [--output-len 128]
         [--long-prompt 2000] [--grammar-seqs 32] [--threads N] [--no-append]
-    python bench/engine.py --speculative [--num-speculative-tokens 5] [--speculative-max-batch 4]
-        [--prompt-lookup-min 1] [--prompt-lookup-max 4] [--output-len 128] [--spec-prompts N]
+    python bench/engine.py --speculative [--num-speculative-tokens 3] [--speculative-max-batch 4]
+        [--prompt-lookup-min 2] [--prompt-lookup-max 4] [--output-len 128] [--spec-prompts N]
         [--spec-streams 32] [--spec-sampled] [--ignore-eos] [--off-mode engine|request] [--json PATH]
 
 Prints a table and appends the run to docs/perf.md (date, machine, command, numbers).
@@ -601,9 +601,21 @@ def main() -> int:
         help="compare speculation off (K=0) and on (K=--num-speculative-tokens), single-stream and at "
         "--spec-streams, on the grounded and open prompt sets (instead of the runs above)",
     )
-    sp.add_argument("--num-speculative-tokens", type=int, default=5, help="K of the 'on' runs (default 5)")
-    sp.add_argument("--speculative-max-batch", type=int, default=4, help="as the backend's flag (default 4)")
-    sp.add_argument("--prompt-lookup-min", type=int, default=1)
+    from backend.__main__ import SPEC_MAX_BATCH, SPEC_TOKENS
+
+    sp.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SPEC_TOKENS,
+        help=f"K of the 'on' runs (default the backend's, {SPEC_TOKENS})",
+    )
+    sp.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=SPEC_MAX_BATCH,
+        help=f"as the backend's flag (default {SPEC_MAX_BATCH})",
+    )
+    sp.add_argument("--prompt-lookup-min", type=int, default=2)
     sp.add_argument("--prompt-lookup-max", type=int, default=4)
     sp.add_argument(
         "--spec-prompts", type=int, default=0, help="only the first N prompts of each set (0: all)"
