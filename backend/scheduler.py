@@ -299,8 +299,9 @@ class Scheduler:
             scheduled[seq.seq_id] = ScheduledChunk(seq, seq.num_computed_tokens, 1)
             budget -= 1
 
-        # the latency target: what the decodes (and their drafts) leave of the step's time goes to prefill
-        decodes = sum(c.num_tokens for c in scheduled.values())
+        # the latency target: what the decodes leave of the step's time goes to prefill (a verify chunk counts
+        # as one decode: its few rows share one pass over the weights, as observe() learns it)
+        decodes = len(scheduled)
         budget = prefill_budget(self.cost, decodes, self.itl_target_s, budget, self.min_prefill_tokens)
 
         # 2a. running prefills (partially computed or forked), first pass capped
@@ -403,10 +404,11 @@ class Scheduler:
     # ------------------------------------------------------------------ after the model ran
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
-        """Feed one executed plan's wall time (s) to the step-time model (a verify chunk's rows count as
-        decode rows)."""
-        decodes = sum(c.num_tokens for c in out.chunks if c.num_tokens == 1 or c.num_draft)
-        self.cost.observe(decodes, out.num_tokens - decodes, seconds)
+        """Feed one executed plan's wall time (s) to the step-time model (a verify chunk counts as one decode:
+        its rows share one pass over the weights)."""
+        decodes = sum(1 for c in out.chunks if c.num_tokens == 1 or c.num_draft)
+        prefill = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1 and not c.num_draft)
+        self.cost.observe(decodes, prefill, seconds)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` of every chunk and register full blocks (of a verify chunk,
