@@ -50,9 +50,9 @@ def _bytes(s: str) -> int:
     return int(s)
 
 
-SPEC_TOKENS = (
-    3  # measured: docs/perf.md, "Speculative decoding" (4 rows = one weight load of the int4 kernel)
-)
+# measured: docs/perf.md, "Speculative decoding" (the last token and 3 drafts: 4 rows, one weight load of the
+# int4 kernel; past 4 decoding sequences a step is bound by compute)
+SPEC_TOKENS = 3
 SPEC_MAX_BATCH = 4
 
 
