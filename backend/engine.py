@@ -637,7 +637,11 @@ class Engine:
 
     def _propose(self) -> None:
         """Give each decoding sequence its draft tokens for this step (see the module docstring)."""
-        decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1 and not s.pending_forks]
+        decoding = [
+            s
+            for s in self.scheduler.running
+            if s.num_uncomputed == 1 and not s.pending_forks and s.num_computed_tokens >= s.num_prompt_tokens
+        ]  # decodes of a generated token (a prompt's last token left by chunked prefill is not one)
         if not decoding or len(decoding) > self.speculative_max_batch:
             return
         lo, hi = self.prompt_lookup

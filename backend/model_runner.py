@@ -315,7 +315,8 @@ class ModelRunner:
         """Compute one step: write the chunks' K/V into the pool and return the wanted logits.
 
         Args:
-            chunks: decode chunks (one token) first, then prefill chunks; see ``SeqChunk``.
+            chunks: decode chunks (one token) first, then the longer ones (verify and prefill chunks); see
+                ``SeqChunk``.
 
         Returns:
             ``[R, vocab_size] float32`` on the runner's device: per chunk with ``need_logits`` (in chunk

@@ -25,7 +25,7 @@ penalty counters). Order of operations per row, all in float32:
    uniform number of the token's position.
 
 Random numbers are counter-based, not a stateful generator: the uniform for choice ``i``'s ``j``-th
-generated token is ``blake2b(j, key=choice seed)`` (53 bits, ``CounterRNG``), a function of
+generated token is ``blake2b(j, key=choice seed)`` (52 bits, ``CounterRNG``), a function of
 (request seed, choice, position) alone. A token's draw therefore never depends on how many numbers were
 used before it, which is what keeps speculative decoding exact and seeded output identical with it on
 or off (coupled sampling: the draw at a verified position is the target's own sample; the draft is
@@ -62,8 +62,8 @@ def choice_seed(seed: int | None, index: int) -> int:
 class CounterRNG:
     """Counter-based uniform numbers: ``uniform(j)`` is a pure function of the 64-bit key and ``j``.
 
-    ``blake2b`` keyed with the key, over ``j`` as 8 little-endian bytes; the top 53 bits of the 64-bit
-    digest scaled to ``[0, 1)`` (float64). About 1 us per number. Source followed: Salmon et al.,
+    ``blake2b`` keyed with the key, over ``j`` as 8 little-endian bytes; the top 52 bits of the 64-bit
+    digest scaled to ``[0, 1)`` (float64; at most ``1 - 2**-52``, so ``u * total < total`` for any total). About 1 us per number. Source followed: Salmon et al.,
     "Parallel random numbers: as easy as 1, 2, 3" (SC 2011) for counter-based generation.
     """
 
@@ -75,7 +75,7 @@ class CounterRNG:
     def uniform(self, counter: int) -> float:
         """The uniform number of position ``counter`` (an int >= 0), in ``[0, 1)``."""
         d = hashlib.blake2b(counter.to_bytes(8, "little"), key=self.key, digest_size=8).digest()
-        return (int.from_bytes(d, "little") >> 11) * (1.0 / (1 << 53))
+        return (int.from_bytes(d, "little") >> 12) * (1.0 / (1 << 52))
 
 
 class ChoiceState:
@@ -164,12 +164,15 @@ _CANDIDATES = 512  # top-k/top-p/min-p rows first look at this many best tokens
 def _draw(cdf: torch.Tensor, states: list[ChoiceState]) -> list[int]:
     """Inverse-CDF draw: per row the uniform of the row's next position (``CounterRNG``).
 
-    ``cdf [R, K]`` non-decreasing (unnormalised). Returns R column indices.
+    ``cdf [R, K]`` non-decreasing (unnormalised). Returns R column indices. The search runs in float64 with
+    ``u < 1``, so the target stays below the total and a column of zero probability is never picked (in
+    float32, ``u`` within ``2**-25`` of 1 rounded to the total and took the last column, masked or not).
     """
     u = torch.tensor(
         [s.generator.uniform(s.num_generated) for s in states],  # type: ignore[union-attr]
         dtype=torch.float64,
-    ).to(cdf.dtype)
+    )
+    cdf = cdf.double()
     target = u * cdf[:, -1]
     idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
     return idx.clamp_(max=cdf.shape[1] - 1).tolist()

@@ -6,9 +6,10 @@ sequence cap (``max_num_seqs``). One call to ``schedule()`` decides, in order:
 1. **Running decodes** (running sequences with exactly one uncomputed token),
    oldest admission first. A decode that needs a new block and finds none
    preempts the most recently admitted running sequence (possibly itself).
-   A decode that carries speculative draft tokens (``Sequence.draft``, set by the engine) becomes a
-   verify chunk of ``1 + len(draft)`` tokens: the drafts count against the token budget and are cut to
-   what it and the free blocks allow (a draft never preempts anything; it is dropped first).
+   A decode that carries speculative draft tokens (``Sequence.draft``, set by the engine) then becomes a
+   verify chunk of ``1 + len(draft)`` tokens, once every decode has its token: the drafts count against
+   the token budget and are cut to what it and the empty blocks leave (a draft never preempts, never
+   takes a decode's place and never evicts a prefix-cache block).
    After verification the engine calls ``accept_draft``: only the accepted drafts become computed
    tokens, the rejected ones' tail blocks go back to the pool, and no rejected token is ever hashed
    into the prefix cache.
@@ -139,7 +140,8 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: decodes (one token each) first, then prefill chunks."""
+    """One step's plan: decodes (one token each) first, then the longer chunks: verify chunks (a decode and
+    its drafts) and prefill chunks."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -277,16 +279,6 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
-            d = min(len(seq.draft), budget - 1)
-            while d > 0 and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + d):
-                d -= 1
-            if d < len(seq.draft):
-                seq.draft = seq.draft[:d]
-            if d:
-                bm.allocate(seq, seq.num_computed_tokens + 1 + d)
-                scheduled[seq.seq_id] = ScheduledChunk(seq, seq.num_computed_tokens, 1 + d, d)
-                budget -= 1 + d
-                continue
             target = seq.num_computed_tokens + 1
             while not bm.can_allocate(seq, target):
                 if not preempt_last(seq):
@@ -298,6 +290,21 @@ class Scheduler:
             bm.allocate(seq, target)
             scheduled[seq.seq_id] = ScheduledChunk(seq, seq.num_computed_tokens, 1)
             budget -= 1
+
+        # 1b. drafts of the scheduled decodes: from what the budget and the empty blocks leave once every
+        # decode has its token (a draft never preempts, starves a decode or evicts a prefix-cache block)
+        for ch in list(scheduled.values()):
+            seq = ch.seq
+            if not seq.draft:
+                continue
+            d = min(len(seq.draft), max(0, budget))
+            while d > 0 and bm.num_new_blocks(seq, ch.start + 1 + d) > len(bm.free_empty):
+                d -= 1
+            seq.draft = seq.draft[:d]
+            if d:
+                bm.allocate(seq, ch.start + 1 + d)
+                ch.num_tokens, ch.num_draft = 1 + d, d
+                budget -= d
 
         # the latency target: what the decodes leave of the step's time goes to prefill (a verify chunk counts
         # as one decode: its few rows share one pass over the weights, as observe() learns it)

@@ -6,7 +6,9 @@ generated), how many of them already have K/V in the paged cache
 chunked prefill, recompute after preemption and forked choices alike: each
 step it schedules the next ``k`` uncomputed tokens of a sequence; when a
 chunk reaches the end of ``token_ids`` the model's logits for its last row
-are sampled and one token is appended.
+are sampled and one token is appended (with speculative decoding, a decode
+chunk also carries ``draft`` tokens: the accepted ones and the token sampled
+after them are appended).
 
 Plain Python, no torch: the scheduler and block manager are tested fast.
 Source followed: nano-vllm's ``Sequence`` (https://github.com/GeeeekExplorer/nano-vllm),
@@ -80,7 +82,8 @@ class Sequence:
 
     Attributes:
         seq_id: process-unique int.
-        token_ids: prompt then generated token ids (grows by one per sampled token).
+        token_ids: prompt then generated token ids (grows by the tokens each step emits: one, or the
+            accepted drafts and the token after them).
         num_prompt_tokens: length of the prompt (tokens).
         num_computed_tokens: leading tokens whose K/V are in the cache (tokens).
         block_table: physical KV block ids, ``block_table[i]`` holds tokens

@@ -42,6 +42,11 @@ class Choice:
 
     Attributes:
         tokens: tokens received for this choice (until it finished).
+        consumed: tokens of the last output that the choice took (an output may carry several, with
+            speculative decoding; a stop string ends the choice at the token that completes it).
+        offsets: per consumed token of the last output, the characters released before it within that
+            output (before the output filter), so a token's text offset does not depend on how the
+            backend grouped tokens into outputs.
         finish: the finish reason, set once; afterwards the choice ignores further outputs.
         usage, timings: the backend's, from its last output (None until then).
         timeline: the backend's ``Timeline`` of the choice, from its last output (None unless inspected).
@@ -54,6 +59,8 @@ class Choice:
         "filter",
         "tools",
         "tokens",
+        "consumed",
+        "offsets",
         "finish",
         "usage",
         "timings",
@@ -74,6 +81,8 @@ class Choice:
         self.filter = output_filter
         self.tools = tools
         self.tokens = 0
+        self.consumed = 0
+        self.offsets: list[int] = []
         self.finish: FinishReason | None = None
         self.usage: Usage | None = None
         self.timings: Timings | None = None
@@ -103,11 +112,17 @@ class Choice:
         text = ""
         fin: FinishReason | None = None
         ids = out.new_token_ids
-        if ids:
-            self.tokens += len(ids)
-            text, matched = self.stops.feed(self.detok.feed_many(ids))
+        self.consumed = 0
+        self.offsets = []
+        for t in ids:  # token by token: a stop string ends the choice at the token that completes it
+            self.offsets.append(len(text))
+            self.consumed += 1
+            piece, matched = self.stops.feed(self.detok.feed(t))
+            text += piece
             if matched:
                 fin = "stop"
+                break
+        self.tokens += self.consumed
         if fin is None and out.finish_reason is not None:
             if out.finish_reason == "abort":
                 raise BackendUnavailable("The request was aborted by the inference backend.")

@@ -52,13 +52,15 @@ class TextDelta(msgspec.Struct, tag="text", frozen=True, kw_only=True):
     """New text of choice ``index``. ``tokens``: tokens generated for it since the last delta (the text may be
     empty while a stop string is held back). ``logprobs``: one entry per token when logprobs were asked.
     ``tool_calls``: pieces of tool calls parsed out of the output (``text`` is then the plain content
-    only): the first piece of a call has its id and name, later ones argument fragments."""
+    only): the first piece of a call has its id and name, later ones argument fragments. ``offsets``: with
+    logprobs, per token the characters of ``text`` before it (a delta may carry several tokens)."""
 
     index: int
     text: str
     tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[ToolCallDelta] = []
+    offsets: list[int] = []
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

@@ -279,11 +279,16 @@ class _Run:
             self.t_first = time.perf_counter()
         if fin is not None and out.finish_reason is None and len(self.choices) > 1:
             handle.abort_choice(ch.index)  # the gateway ended it; the backend would go on decoding it
-        lps = out.logprobs if self.req.sampling.logprobs and out.logprobs else None
-        if out.new_token_ids or text or lps or calls:
+        lps = out.logprobs[: ch.consumed] if self.req.sampling.logprobs and out.logprobs else None
+        if ch.consumed or text or lps or calls:
             await self._emit(
                 TextDelta(
-                    index=ch.index, text=text, tokens=len(out.new_token_ids), logprobs=lps, tool_calls=calls
+                    index=ch.index,
+                    text=text,
+                    tokens=ch.consumed,
+                    logprobs=lps,
+                    tool_calls=calls,
+                    offsets=ch.offsets if lps else [],
                 )
             )
             if (text or calls) and self.t_first_sent is None and self.req.stream:

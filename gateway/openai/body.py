@@ -119,7 +119,9 @@ class CompletionBody(_BodyRenderer):
 
     def add_logprobs(self, ev: TextDelta) -> None:
         offset = self.chars[ev.index]
-        self.lps[ev.index].append(completion_logprobs(self.names, ev.logprobs or [], self.k, offset))
+        self.lps[ev.index].append(
+            completion_logprobs(self.names, ev.logprobs or [], self.k, offset, ev.offsets)
+        )
 
     def body(self, ev: Completed) -> Completion:
         choices = [

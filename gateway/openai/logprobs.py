@@ -35,15 +35,17 @@ def chat_logprobs(names: TokenNames, items: list[TokenLogprob], k: int) -> list[
 
 
 def completion_logprobs(
-    names: TokenNames, items: list[TokenLogprob], k: int, offset: int
+    names: TokenNames, items: list[TokenLogprob], k: int, offset: int, within: list[int] | None = None
 ) -> CompletionLogprobs:
-    """Legacy logprobs of the tokens of one delta that starts at character ``offset`` of the choice."""
+    """Legacy logprobs of the tokens of one delta that starts at character ``offset`` of the choice;
+    ``within``: per token the characters of the delta before it (``TextDelta.offsets``; none: 0 each)."""
     toks, lps, tops = [], [], []
     for it in items:
         toks.append(names.token_str(it.token_id))
         lps.append(it.logprob)
         tops.append({names.token_str(t): lp for t, lp in (it.top or [])[:k]} if k else {})
-    return CompletionLogprobs(toks, lps, tops if k else None, [offset] * len(items))
+    offs = [offset + w for w in within] if within and len(within) == len(items) else [offset] * len(items)
+    return CompletionLogprobs(toks, lps, tops if k else None, offs)
 
 
 def merge_completion_logprobs(parts: list[CompletionLogprobs], k: int) -> CompletionLogprobs:

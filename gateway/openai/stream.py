@@ -146,7 +146,7 @@ class CompletionStream(_SSERenderer):
     def delta(self, ev: TextDelta) -> bytes:
         lp = None
         if ev.logprobs is not None:
-            lp = completion_logprobs(self.names, ev.logprobs, self.k, self.offsets[ev.index])
+            lp = completion_logprobs(self.names, ev.logprobs, self.k, self.offsets[ev.index], ev.offsets)
         self.offsets[ev.index] += len(ev.text)
         return encode(self.completion([CompletionChoice(ev.index, ev.text, lp, None)]))
 

@@ -209,6 +209,39 @@ def test_the_simulation_exercises_every_path():
     assert all(v > 0 for v in total.values()), total
 
 
+def _decoding(num_blocks: int, budget: int, prompts: list[list[int]]) -> tuple[Scheduler, list[Sequence]]:
+    """A scheduler whose sequences have computed their prompts and sampled one token each."""
+    bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, watermark_blocks=0)
+    seqs = [Sequence(p, max_tokens=20) for p in prompts]
+    for s in seqs:
+        sch.add(s)
+    while any(s.num_uncomputed > 1 or s.num_computed_tokens == 0 for s in seqs):
+        plan = sch.schedule()
+        sch.update_after_step(plan)
+        for c in plan.chunks:
+            if c.need_logits:
+                c.seq.token_ids.append(9)
+    return sch, seqs
+
+
+def test_a_draft_never_takes_a_decodes_block_or_budget():
+    """Drafts get what is left once every decode has its token: the older sequence's draft would take the
+    last free block the newer one's decode needs (it is cut instead: no preemption), and four drafting
+    sequences on a budget of 8 tokens still all decode."""
+    sch, (a, b) = _decoding(5, 64, [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8]])
+    a.draft = [1, 2, 3]
+    plan = sch.schedule()
+    assert not plan.preempted and sch.num_preemptions == 0
+    assert sorted((c.num_tokens, c.num_draft) for c in plan.chunks) == [(1, 0), (2, 1)]
+    sch, seqs = _decoding(64, 8, [[1, 2, 3, 4, 5]] * 4)
+    for s in seqs:
+        s.draft = [1, 2, 3]
+    plan = sch.schedule()
+    assert {c.seq.seq_id for c in plan.chunks} == {s.seq_id for s in seqs}
+    assert plan.num_tokens == 8 and sum(c.num_draft for c in plan.chunks) == 4
+
+
 # ------------------------------------------------------------------------------ the real model
 
 NEW_TOKENS = 24
