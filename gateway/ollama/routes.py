@@ -150,11 +150,9 @@ class OllamaAPI:
             return principal
         try:
             body = decode_json(await read_body(request, self.gw.config.max_body_bytes))
-            name = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
-            if not isinstance(name, str) or not name:
-                raise InvalidRequest(
-                    "model is required (a non-empty string)", param="model", code="missing_required_parameter"
-                )
+            if not isinstance(body, dict):
+                raise InvalidRequest("request body must be a JSON object", code="invalid_type")
+            name = model_name({"model": body.get("model") or body.get("name")})
             served = self.gw.catalog.resolve(name, principal)
             card, context_length = _shown(served) or (served.card, 0)  # 503 before a backend is ready
         except APIError as exc:

@@ -117,9 +117,14 @@ def parse_options(options: object) -> Options:
 
 
 def model_name(body: dict[str, Any]) -> str:
-    """The ``model`` member. Raises ``InvalidRequest`` (param model) when missing or not a string."""
+    """The ``model`` member. Raises ``InvalidRequest`` (param model): ``missing_required_parameter`` when
+    missing, null or empty, ``invalid_type`` when not a string."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(
+            f"model must be a string, got {type(model).__name__}", param="model", code="invalid_type"
+        )
+    if not model:
         raise InvalidRequest("model is required", param="model", code="missing_required_parameter")
     return model
 

@@ -256,6 +256,10 @@ def test_translation_helpers():
     assert (
         to_chat_request({"model": "m", "messages": [], "stream": False, "tools": []}, "chat").stream is False
     )
+    for body, code in (({"messages": []}, "missing_required_parameter"), ({"model": 7}, "invalid_type")):
+        with pytest.raises(APIError) as ei:
+            to_chat_request(body, "chat")
+        assert (ei.value.param, ei.value.code) == ("model", code)
     for body, param in (
         ({"messages": []}, "model"),
         ({"model": "m", "stream": "yes"}, "stream"),
