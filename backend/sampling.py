@@ -164,16 +164,16 @@ _CANDIDATES = 512  # top-k/top-p/min-p rows first look at this many best tokens
 def _draw(cdf: torch.Tensor, states: list[ChoiceState]) -> list[int]:
     """Inverse-CDF draw: per row the uniform of the row's next position (``CounterRNG``).
 
-    ``cdf [R, K]`` non-decreasing (unnormalised). Returns R column indices. The search runs in float64 with
-    ``u < 1``, so the target stays below the total and a column of zero probability is never picked (in
-    float32, ``u`` within ``2**-25`` of 1 rounded to the total and took the last column, masked or not).
+    ``cdf [R, K]`` non-decreasing (unnormalised). Returns R column indices. The target is kept strictly
+    below the row's total (``u`` within ``2**-25`` of 1 would round to it in float32 and take the last
+    column, of zero probability or not), so a column of zero probability is never picked.
     """
     u = torch.tensor(
         [s.generator.uniform(s.num_generated) for s in states],  # type: ignore[union-attr]
         dtype=torch.float64,
-    )
-    cdf = cdf.double()
-    target = u * cdf[:, -1]
+    ).to(cdf.dtype)
+    total = cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
     return idx.clamp_(max=cdf.shape[1] - 1).tolist()
 
