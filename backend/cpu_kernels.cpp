@@ -218,6 +218,9 @@ void decode_seq(const float* q, const T* kc, const T* vc, const int32_t* table, 
   for (int64_t r = 0; r < rows; ++r) store_row<T>(acc + r * hdp, out + (h0 * g + r) * hd, hd, 1.f / denom[r]);
 }
 
+//: query positions per tile of attend_tile_avx512 (one sequence's consecutive prefill rows share K/V loads)
+constexpr int TILE_POSITIONS = 4;
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -275,9 +278,6 @@ inline void pv_rows(const T* vc, const int32_t* table, int64_t Lmax, const int32
       store_row<T>(tmp, out + (i * nh + h * G + j) * HD, HD, 1.f);
     }
 }
-
-//: query positions per tile of attend_tile_avx512 (one sequence's consecutive prefill rows share K/V loads)
-constexpr int TILE_POSITIONS = 4;
 
 // AVX-512 attention for head_dim 64 over a tile of nq <= TILE_POSITIONS query positions of one sequence
 // (q/out rows [nq, nh, 64], position i attends to keys [0, lens[i])), KV heads [h0, h1). Per KV head: each
