@@ -34,7 +34,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from backend.model_path import DEFAULT_DTYPE, default_model_path
+from backend.model_path import default_dtype, default_model_path
 
 if TYPE_CHECKING:
     from backend.server import LinkConfig
@@ -64,10 +64,10 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default cpu)"),
         parser.add_argument(
             "--dtype",
-            default=DEFAULT_DTYPE,
+            default=None,
             choices=["bfloat16", "float32", "float16"],
-            help=f"compute + KV dtype (default {DEFAULT_DTYPE}: the fast mode; float32: the exact mode, "
-            "batch-invariant greedy output)",
+            help="compute + KV dtype (default: bfloat16, the fast mode, on CUDA and on CPUs with native bf16 "
+            "(AVX512-BF16/AMX); float32, the exact mode, on other CPUs)",
         ),
         parser.add_argument(
             "--attention-backend",
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(
             model,
             device=args.device,
-            dtype=args.dtype,
+            dtype=args.dtype or default_dtype(args.device),
             attention_backend=args.attention_backend,
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_memory,

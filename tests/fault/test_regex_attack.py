@@ -207,7 +207,7 @@ def _measure(gp, key_a: str, key_b: str, lengths: list[int]) -> tuple[bool, str,
 
 
 def test_catastrophic_regex_does_not_stall_other_tenants(borrow_gateway):
-    gp = borrow_gateway()  # the shared fault gateway: bfloat16, the served default (no text is compared)
+    gp = borrow_gateway()  # the shared fault gateway: the served default dtype (no text is compared)
     filters = {"hooks": [{"type": "blocklist", "patterns": PATTERNS, "stages": ["prompt"]}]}
     key_a = _tenant(gp, "regex-a", filters)
     key_b = _tenant(gp, "stream-b")

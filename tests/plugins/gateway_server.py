@@ -6,7 +6,7 @@
   stopped at the end of the test.
 
 Every gateway started here runs its backend with ``--dtype float32`` unless the caller passes another
-``dtype`` (``None``: the served default, bfloat16 on CPU): float32 is the exact mode, within 1e-3 of the
+``dtype`` (``None``: the served default, ``backend.model_path.default_dtype()``): float32 is the exact mode, within 1e-3 of the
 reference logits and invariant to batching and prefix caching, which the tests that compare text, repeat
 a seed or run requests side by side rely on.
 

@@ -1,4 +1,5 @@
-"""Batch invariance of the default CPU mode (bfloat16) through the real ``Engine`` and the real model.
+"""Batch invariance of the default CPU mode (``default_dtype()``: bfloat16 where the CPU multiplies bf16
+natively, float32 elsewhere) through the real ``Engine`` and the real model.
 
 Every fixture chat plus 8 more prompts (a shared 500-token prefix among them), each greedy and seeded at
 temperature 0.8, 24 new tokens (EOS ignored): the tokens must be identical
@@ -21,6 +22,7 @@ from __future__ import annotations
 import pytest
 
 from backend.engine import Engine, collect_tokens
+from backend.model_path import default_dtype
 from backend.protocol import SamplingParams, Submit
 
 pytestmark = pytest.mark.slow
@@ -31,7 +33,7 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def runner(one_thread_runner):
     """The default dtype on one thread (``one_thread_runner``, shared with ``test_speculative``)."""
-    return one_thread_runner("bfloat16")
+    return one_thread_runner(default_dtype())
 
 
 @pytest.fixture(scope="module")
