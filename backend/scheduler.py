@@ -27,7 +27,10 @@ what ``StepCost`` predicts still fits under the target (``prefill_budget``), nev
 ``min_prefill_tokens`` (prompts keep flowing when decodes alone fill the target). With no decode in the
 step there is nothing to protect and the whole budget goes to prefill. Admission also waits while the
 running sequences plus the next would decode in more than ``decode_share`` of the target (each admitted
-sequence makes every later step longer once it decodes; past that share the prefill would be starved).
+sequence makes every later step longer once it decodes; past that share the prefill would be starved),
+unless ``min_admit_seqs`` decodes alone already take more than that share: then the target is out of this
+machine's reach at any useful concurrency, and waiting would only serialize the requests (every queued one
+paying in TTFT for an ITL the running ones miss anyway), so admission does not wait.
 A prefix-cache hit is charged at
 its real cost: admission schedules only the tokens after the cached blocks, so only uncached tokens count
 against the budget. ``StepCost`` learns the step time from every step the engine ran (``observe``).
@@ -170,6 +173,8 @@ class Scheduler:
         min_prefill_tokens: prefill tokens a step may always take under the target (default block size).
         decode_share: with the target on, a waiting sequence is admitted only while the running sequences
             plus it would decode in at most this share of the target (the rest is left for prefill).
+        min_admit_seqs: the concurrency the target must allow for admission to wait on it at all: when
+            this many decodes alone are predicted over the share, admission does not wait (sequences).
         cost: the step-time model (default a fresh ``StepCost``).
     """
 
@@ -184,6 +189,7 @@ class Scheduler:
         itl_target_s: float = 0.0,
         min_prefill_tokens: int | None = None,
         decode_share: float = 0.6,
+        min_admit_seqs: int = 4,
         cost: StepCost | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -200,6 +206,7 @@ class Scheduler:
         self.itl_target_s = itl_target_s
         self.min_prefill_tokens = min_prefill_tokens or block_manager.block_size
         self.decode_share = decode_share
+        self.min_admit_seqs = min_admit_seqs
         self.cost = cost or StepCost()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -394,10 +401,14 @@ class Scheduler:
     def _over_decode_share(self, num_seqs: int) -> bool:
         """With the latency target on and something running: would ``num_seqs`` decodes alone take more
         than ``decode_share`` of the target? (Then admission waits: a sequence admitted now would make every
-        later step slower than the target allows once it decodes.)"""
+        later step slower than the target allows once it decodes.) Never while ``min_admit_seqs`` decodes
+        alone are predicted over the share (the target is out of reach; see the module docstring)."""
         if self.itl_target_s <= 0 or not self.running:
             return False
-        return self.cost.predict(num_seqs, 0) > self.decode_share * self.itl_target_s
+        share = self.decode_share * self.itl_target_s
+        if self.cost.predict(self.min_admit_seqs, 0) > share:
+            return False
+        return self.cost.predict(num_seqs, 0) > share
 
     def _fit(self, seq: Sequence, want: int) -> int:
         """Largest ``n <= want`` new tokens of ``seq`` whose blocks the pool can supply now."""

@@ -155,6 +155,22 @@ def test_admission_waits_while_the_decodes_would_fill_their_share():
     sched.check_invariants()
 
 
+def test_admission_does_not_wait_on_a_machine_too_slow_for_the_target():
+    """Four decodes alone take 0.4 s against a 0.15 s target (share 0.6): the target is out of reach, so
+    waiting would only serialize the requests; all 30 are admitted at once (within ``max_num_seqs``)."""
+    slow = StepCost(base=0.2, per_decode=0.05, per_prefill=0.001)
+    sched = Scheduler(
+        BlockManager(2000, 16), max_num_seqs=64, max_num_batched_tokens=512, itl_target_s=0.15, cost=slow
+    )
+    seqs = [Sequence([1 + i, 2, 3, 4], max_tokens=10_000) for i in range(30)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(3):
+        run_step(sched, slow)
+    assert sched.num_running == 30 and sched.num_waiting == 0
+    sched.check_invariants()
+
+
 def known_machine(max_num_seqs: int = 64, **kw: float) -> Scheduler:
     """A scheduler over a fresh pool whose step-time model already knows ``TRUE``."""
     return Scheduler(
