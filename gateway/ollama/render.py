@@ -31,6 +31,8 @@ Statistics, integers (durations in nanoseconds, from ``Completed``):
   extensions (not in Ollama):
     prompt_eval_cached_count  prompt tokens served from the prefix cache
     queue_duration            backend queue time
+    draft_tokens              speculative decoding: draft tokens proposed for the answer
+    accepted_tokens           of those, the ones the model's own sampling confirmed (<= draft_tokens)
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     eval_duration: int
     prompt_eval_cached_count: int
     queue_duration: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def final_stats(done: Completed, t_arrival: float) -> Stats:
@@ -117,6 +121,8 @@ def final_stats(done: Completed, t_arrival: float) -> Stats:
         eval_duration=min(max(0, t.get("eval_duration", 0)), total - prompt_eval),
         prompt_eval_cached_count=done.cached_tokens,
         queue_duration=max(0, t.get("queue_duration", 0)),
+        draft_tokens=max(0, t.get("draft_tokens", 0)),
+        accepted_tokens=max(0, t.get("accepted_tokens", 0)),
     )
 
 

@@ -3,7 +3,8 @@
  *
  * Data, polled every POLL_MS while the tab is visible (setTimeout chain: one poll at a time):
  *   GET /admin/v1/stats   running, waiting, kv_blocks_{used,cached,total}, prefix_cache_{queries,hits},
- *                         preemptions, aborts, requests_finished, {prompt,generation}_tokens (counters since
+ *                         preemptions, aborts, requests_finished, {prompt,generation}_tokens,
+ *                         spec_{drafts,draft_tokens,accepted_tokens} (speculative decoding; counters since
  *                         the backend started), per backend in backends[i].stats
  *   GET /metrics          the Prometheus histograms gateway:time_to_first_token_seconds and
  *                         gateway:inter_token_latency_seconds: p50/p90/p99 of the observations of the last
@@ -235,6 +236,11 @@
     const dq = stats.prefix_cache_queries - old.stats.prefix_cache_queries;
     const dh = stats.prefix_cache_hits - old.stats.prefix_cache_hits;
     $("hit-rate-window").textContent = dq > 0 ? pct(dh / dq) + " last " + WINDOW_S + " s" : "all time";
+    const drafted = stats.spec_draft_tokens || 0, accepted = stats.spec_accepted_tokens || 0;
+    const dd = drafted - (old.stats.spec_draft_tokens || 0), da = accepted - (old.stats.spec_accepted_tokens || 0);
+    $("spec-rate").textContent = pct(drafted ? accepted / drafted : null);
+    $("spec-detail").textContent = `${fmt(accepted)} / ${fmt(drafted)} draft tokens` +
+      (dd > 0 ? ", " + pct(da / dd) + " last " + WINDOW_S + " s" : "");
     $("preemptions").textContent = fmt(stats.preemptions);
     $("preemptions-window").textContent = "+" + (stats.preemptions - old.stats.preemptions) + " last " + WINDOW_S + " s";
     $("kv-perc").textContent = pct(stats.kv_blocks_total ? stats.kv_blocks_used / stats.kv_blocks_total : null);

@@ -182,6 +182,11 @@ def test_running_streams_and_kv_grid(gw, page):
     page.wait_for_function("() => document.querySelector('#kv-grids canvas').dataset.used === '0'")
     assert page.inner_text("#waiting") == "0"
     assert kv_cell_colour(page) != [0x2F, 0x6F, 0xED]  # no cell drawn as used now
+    st = gw.stats()  # idle: the speculative-decoding counters no longer move
+    want = f"{st['spec_accepted_tokens']:,} / {st['spec_draft_tokens']:,} draft tokens"
+    page.wait_for_function(
+        "(w) => document.getElementById('spec-detail').textContent.startsWith(w)", arg=want, timeout=LIVE
+    )
     same_origin(page, gw)
 
 

@@ -288,7 +288,8 @@ def test_speculative_decoding_in_timings_metrics_and_admin_stats(gateway):
     """A greedy answer that repeats its prompt (n-gram drafts find it there): the response's timings count
     drafts and acceptances, /metrics and /admin/v1/stats move by as much and stay consistent
     (accepted <= drafted, the positions sum to the accepted total); ``speculative: false`` on the same
-    request gives the same text with nothing drafted and moves no counter."""
+    request gives the same text with nothing drafted and moves no counter; Ollama's final object counts
+    the same."""
     gp = gateway
     messages = [{"role": "user", "content": "Repeat exactly: " + PARAGRAPH}]
     gp.wait_idle(60)  # leftovers of earlier tests on the shared gateway must not count in our window
@@ -338,6 +339,20 @@ def test_speculative_decoding_in_timings_metrics_and_admin_stats(gateway):
 
     # the engine drafts for an answer that repeats its prompt (fails while speculative decoding is off)
     assert drafted > 0, f"no draft tokens for an answer that repeats its prompt: {t1}"
+
+    # Ollama's final object carries the same counts (extension fields, which the official client drops)
+    def ollama_chat(**options) -> dict:
+        body = {"model": gp.model, "messages": messages, "stream": False, "options": options}
+        r = httpx.post(gp.base_url + "/api/chat", json=body, headers=chat_headers, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    chat_headers = {"Authorization": f"Bearer {gp.api_key}"}
+    o = ollama_chat(num_predict=48, temperature=0)
+    assert o["message"]["content"] == r1.json()["choices"][0]["message"]["content"]
+    assert (o["draft_tokens"], o["accepted_tokens"]) == (drafted, accepted), o
+    o_off = ollama_chat(num_predict=48, temperature=0, speculative=False)
+    assert (o_off["draft_tokens"], o_off["accepted_tokens"]) == (0, 0), o_off
 
 
 def test_preemption_counted_with_tiny_kv_pool(make_gateway):

@@ -15,6 +15,8 @@ TIMINGS = {
     "prompt_eval_duration": 2_000,
     "eval_duration": 3_000,
     "queue_duration": 1_000,
+    "draft_tokens": 5,
+    "accepted_tokens": 2,
 }
 DONE = Completed(prompt_tokens=11, completion_tokens=3, cached_tokens=4, timings=TIMINGS)
 RUN = [
@@ -77,6 +79,8 @@ def check_final(obj: dict, *, text_key: str, text: str) -> None:
         "eval_duration": 3_000,
         "prompt_eval_cached_count": 4,
         "queue_duration": 1_000,
+        "draft_tokens": 5,
+        "accepted_tokens": 2,
     }
 
 
