@@ -35,6 +35,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from backend.model_path import default_dtype, default_model_path
+from backend.proposer import DRAFT_TOKENS_DENSE, DRAFT_TOKENS_INT4, default_draft_tokens
 
 if TYPE_CHECKING:
     from backend.server import LinkConfig
@@ -52,7 +53,6 @@ def _bytes(s: str) -> int:
 
 # measured: docs/perf.md, "Speculative decoding" (the last token and 3 drafts: 4 rows, one weight load of the
 # int4 kernel; past 4 decoding sequences a step is bound by compute)
-SPEC_TOKENS = 3
 SPEC_MAX_BATCH = 4
 
 
@@ -138,9 +138,10 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         parser.add_argument(
             "--num-speculative-tokens",
             type=int,
-            default=SPEC_TOKENS,
-            help=f"n-gram (prompt lookup) draft tokens verified per sequence and step; lossless: the output "
-            f"is the same with it on or off (default {SPEC_TOKENS}; 0: off)",
+            default=None,
+            help="n-gram (prompt lookup) draft tokens verified per sequence and step; lossless: the output "
+            f"is the same with it on or off (default {DRAFT_TOKENS_INT4} where generated rows take the int4 "
+            f"kernel, the bf16 CPU mode; {DRAFT_TOKENS_DENSE} on dense paths: float32, CUDA; 0: off)",
         ),
         parser.add_argument(
             "--speculative-max-batch",
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_batched_tokens < args.max_num_seqs:
         print("error: --max-num-batched-tokens must be >= --max-num-seqs", file=sys.stderr)
         return 2
-    if args.num_speculative_tokens < 0 or args.speculative_max_batch < 0:
+    if (args.num_speculative_tokens or 0) < 0 or args.speculative_max_batch < 0:
         print("error: --num-speculative-tokens and --speculative-max-batch must be >= 0", file=sys.stderr)
         return 2
     if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
@@ -303,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             itl_target_ms=args.itl_target_ms,
             threads=governor,
-            num_speculative_tokens=args.num_speculative_tokens,
+            num_speculative_tokens=(
+                default_draft_tokens(runner.generated_int4)
+                if args.num_speculative_tokens is None
+                else args.num_speculative_tokens
+            ),
             speculative_max_batch=args.speculative_max_batch,
             prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max,

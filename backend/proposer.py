@@ -22,6 +22,19 @@ from Transformers via Speculative Decoding" (ICML 2023) for why verification kee
 
 from __future__ import annotations
 
+#: default draft length where generated rows take the row-invariant Q4_1 x Q8_1 kernel (``generated_int4``):
+#: it serves 4 rows per load of the weights, so a verify chunk of the last token and 3 drafts costs ~1.3x a
+#: decode step and a 5th row reads the weights again (docs/perf.md, "Speculative decoding")
+DRAFT_TOKENS_INT4 = 3
+#: default draft length on the dense paths (float32 on CPU, CUDA): a decode step is bound by reading the
+#: weights, and 6 rows cost ~1.1x one (2-core EPYC, float32: 64 ms for 1..5 rows, 71 ms for 6)
+DRAFT_TOKENS_DENSE = 5
+
+
+def default_draft_tokens(generated_int4: bool) -> int:
+    """``num_speculative_tokens`` when none is configured, by the weight path of generated rows."""
+    return DRAFT_TOKENS_INT4 if generated_int4 else DRAFT_TOKENS_DENSE
+
 
 class NgramIndex:
     """Incremental index of one sequence's n-grams.

@@ -64,6 +64,7 @@ import torch  # noqa: E402
 from backend.engine import Engine  # noqa: E402
 from backend.model_path import DEFAULT_DTYPE, default_model_path  # noqa: E402
 from backend.model_runner import ModelRunner  # noqa: E402
+from backend.proposer import DRAFT_TOKENS_DENSE, DRAFT_TOKENS_INT4, default_draft_tokens  # noqa: E402
 from backend.protocol import Grammar, RequestError, SamplingParams, Submit, grammar_key  # noqa: E402
 
 # A schema the output keeps following for the whole run (64 items needed): realistic masks (keys, enums,
@@ -357,6 +358,8 @@ def _tok_s(tokens: float, secs: float) -> float:
 def speculative_bench(runner: ModelRunner, args: argparse.Namespace, load_s: float) -> int:
     """``--speculative``: each prompt alone with speculation off then on (token ids compared), per set;
     then ``--spec-streams`` concurrent streams of both sets, off then on. Prints a table; 1 on a mismatch."""
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = default_draft_tokens(runner.generated_int4)
     k = args.num_speculative_tokens
     if k <= 0:
         print("error: --speculative needs --num-speculative-tokens > 0", file=sys.stderr)
@@ -601,13 +604,13 @@ def main() -> int:
         help="compare speculation off (K=0) and on (K=--num-speculative-tokens), single-stream and at "
         "--spec-streams, on the grounded and open prompt sets (instead of the runs above)",
     )
-    from backend.__main__ import SPEC_MAX_BATCH, SPEC_TOKENS
+    from backend.__main__ import SPEC_MAX_BATCH
 
     sp.add_argument(
         "--num-speculative-tokens",
         type=int,
-        default=SPEC_TOKENS,
-        help=f"K of the 'on' runs (default the backend's, {SPEC_TOKENS})",
+        default=None,
+        help="K of the 'on' runs (default the backend's for the runner: backend.proposer.default_draft_tokens)",
     )
     sp.add_argument(
         "--speculative-max-batch",
@@ -643,7 +646,8 @@ def main() -> int:
 
         template = ChatTemplate(cached_tokenizer(args.model or default_model_path()))
         longest = max(len(template.render(m).ids) for _, m in GROUNDED + OPEN)
-        per_seq = -(-(longest + args.output_len + args.num_speculative_tokens + 1) // bs)
+        k_max = args.num_speculative_tokens or max(DRAFT_TOKENS_DENSE, DRAFT_TOKENS_INT4)
+        per_seq = -(-(longest + args.output_len + k_max + 1) // bs)
         blocks = max(1, args.spec_streams) * per_seq + 64
     t0 = time.perf_counter()
     runner = ModelRunner(
