@@ -51,8 +51,8 @@ def _bytes(s: str) -> int:
     return int(s)
 
 
-# measured: docs/perf.md, "Speculative decoding" (the last token and 3 drafts: 4 rows, one weight load of the
-# int4 kernel; past 4 decoding sequences a step is bound by compute)
+# measured: docs/perf.md, "Speculative decoding" (past 4 decoding sequences a step is bound by compute); the
+# default draft length is backend.proposer.default_draft_tokens
 SPEC_MAX_BATCH = 4
 
 

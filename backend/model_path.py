@@ -13,7 +13,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # when no ``--dtype`` is given: ``default_dtype(device)``. bfloat16 is the fast mode where the hardware
 # multiplies bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX-BF16): generated rows through the
 # row-invariant Q4_1 x Q8_1 kernel and an int8 LM head, prompt rows through oneDNN's bf16 GEMMs (logits
-# within 0.4 of the float32 reference; batch-invariant, docs/kernels.md). A CPU without native bf16 (AVX2
+# within 0.4 of the float32 reference; batch-invariant on CPU, docs/kernels.md). A CPU without native bf16 (AVX2
 # only, e.g. AMD Zen 2/3) emulates those GEMMs at ~12 GFLOP/s against ~86 in float32 (measured on a 2-core
 # EPYC, [128, 576] x [576, 1536]), so there the default is float32, the exact mode (logits within 1e-3 of
 # the reference, greedy output invariant to batching).
