@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from backend.model_path import cpu_flags_line
+
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
@@ -44,14 +46,7 @@ _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ff
 
 def _cpu_isa_flags() -> str:
     """The first ``flags`` line of ``/proc/cpuinfo`` (what ``-march=native`` compiles for); else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[-1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return cpu_flags_line() or platform.processor()
 
 
 def _build_tag() -> str:

@@ -24,16 +24,22 @@ EXACT_DTYPE = "float32"
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
-def cpu_flags() -> frozenset[str]:
-    """The first ``flags`` line of ``/proc/cpuinfo`` as a set (empty where there is none, e.g. not Linux)."""
+def cpu_flags_line() -> str:
+    """The first ``flags`` line of ``/proc/cpuinfo`` after its colon, stripped ("" where there is none, e.g.
+    not Linux): what ``-march=native`` compiles for."""
     try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    return line.split(":", 1)[-1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """``cpu_flags_line()`` as a set of flag names."""
+    return frozenset(cpu_flags_line().split())
 
 
 def default_dtype(device: str = "cpu") -> str:
