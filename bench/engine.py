@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from backend.engine import Engine  # noqa: E402
-from backend.model_path import DEFAULT_DTYPE, default_model_path  # noqa: E402
+from backend.model_path import default_dtype, default_model_path  # noqa: E402
 from backend.model_runner import ModelRunner  # noqa: E402
 from backend.proposer import DRAFT_TOKENS_DENSE, DRAFT_TOKENS_INT4, default_draft_tokens  # noqa: E402
 from backend.protocol import Grammar, RequestError, SamplingParams, Submit, grammar_key  # noqa: E402
@@ -587,7 +587,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "float16"])
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float32", "float16"],
+        help="default: the backend's for --device",
+    )
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -653,7 +658,7 @@ def main() -> int:
     runner = ModelRunner(
         args.model or default_model_path(),
         device=args.device,
-        dtype=args.dtype,
+        dtype=args.dtype or default_dtype(args.device),
         attention_backend=args.attention_backend,
         block_size=bs,
         num_kv_blocks=blocks,
