@@ -35,7 +35,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from backend.model_path import default_dtype, default_model_path
-from backend.proposer import DRAFT_TOKENS_DENSE, DRAFT_TOKENS_INT4, default_draft_tokens
+from backend.proposer import (
+    DRAFT_TOKENS_DENSE,
+    DRAFT_TOKENS_INT4,
+    PROMPT_LOOKUP_MAX,
+    PROMPT_LOOKUP_MIN,
+    default_draft_tokens,
+)
 
 if TYPE_CHECKING:
     from backend.server import LinkConfig
@@ -152,15 +158,15 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         parser.add_argument(
             "--prompt-lookup-min",
             type=int,
-            default=2,
-            help="shortest n-gram the draft proposer matches (tokens, default 2; 1 drafted on chance matches "
-            "of single tokens)",
+            default=PROMPT_LOOKUP_MIN,
+            help=f"shortest n-gram the draft proposer matches (tokens, default {PROMPT_LOOKUP_MIN}; a match of "
+            "k tokens drafts at most k + 1)",
         ),
         parser.add_argument(
             "--prompt-lookup-max",
             type=int,
-            default=4,
-            help="longest n-gram the draft proposer matches, tried first (tokens, default 4)",
+            default=PROMPT_LOOKUP_MAX,
+            help=f"longest n-gram the draft proposer matches, tried first (tokens, default {PROMPT_LOOKUP_MAX})",
         ),
     ]
     return acts

@@ -59,7 +59,7 @@ from backend import grammar as G
 from backend.allocator import ThreadGovernor
 from backend.batch import SeqChunk
 from backend.block_manager import BlockManager
-from backend.proposer import DraftPolicy
+from backend.proposer import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, DraftPolicy
 from backend.protocol import (
     FEATURE_GRAMMAR,
     MAX_TIMELINE_EVENTS,
@@ -157,8 +157,8 @@ class Engine:
         threads: ThreadGovernor | None = None,
         num_speculative_tokens: int = 0,
         speculative_max_batch: int = 4,
-        prompt_lookup_min: int = 2,
-        prompt_lookup_max: int = 4,
+        prompt_lookup_min: int = PROMPT_LOOKUP_MIN,
+        prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
     ) -> None:
         if num_kv_blocks is not None and not 1 <= num_kv_blocks <= runner.num_kv_blocks:
             raise ValueError(f"num_kv_blocks must be in [1, {runner.num_kv_blocks}]")

@@ -10,10 +10,13 @@ n-grams of their context, so these drafts are often right, and they cost no mode
 its latest occurrence. It is updated incrementally (``O(max_ngram)`` per appended token, never a rescan),
 and a lookup is ``O(max_ngram)`` dict probes. The most recent earlier occurrence wins.
 
-``DraftPolicy`` decides per sequence whether to draft at all: a sequence whose drafts keep failing backs
-off (it skips drafting for a number of steps that doubles after each fully rejected draft, up to
-``max_backoff`` steps; any accepted token resets it), so open-ended text pays little for the drafts it
-cannot use.
+``DraftPolicy`` decides per sequence how much to draft: as many tokens as the matched n-gram is long
+plus one (capped by ``num_speculative_tokens``), so a chance 1-token match costs a 2-row verify chunk
+and a long quoted run drafts the full length; a sequence whose drafts keep failing backs off (after
+``patience`` fully rejected drafts in a row it skips drafting for a number of steps that doubles up to
+``max_backoff``; any accepted token resets it), so open-ended text pays little for the drafts it cannot
+use. Measured by replaying recorded answers against the verify cost by rows (docs/perf.md, "Draft length
+by match length").
 
 Plain Python, no torch. Source followed: Saxena, "Prompt Lookup Decoding" (2023); vLLM's ``ngram``
 speculative method (``prompt_lookup_min`` / ``prompt_lookup_max``); Leviathan et al., "Fast Inference
@@ -23,12 +26,17 @@ from Transformers via Speculative Decoding" (ICML 2023) for why verification kee
 from __future__ import annotations
 
 #: default draft length where generated rows take the row-invariant Q4_1 x Q8_1 kernel (``generated_int4``):
-#: it serves 4 rows per load of the weights, so a verify chunk of the last token and 3 drafts costs ~1.3x a
-#: decode step and a 5th row reads the weights again (docs/perf.md, "Speculative decoding")
-DRAFT_TOKENS_INT4 = 3
+#: it serves 8 rows per pass over the weights; a verify chunk of 6 rows costs ~1.4x a decode step and drafts
+#: are as long as their match allows (docs/perf.md, "Draft length by match length")
+DRAFT_TOKENS_INT4 = 5
 #: default draft length on the dense paths (float32 on CPU, CUDA): a decode step is bound by reading the
 #: weights, and 6 rows cost ~1.1x one (2-core EPYC, float32: 64 ms for 1..5 rows, 71 ms for 6)
 DRAFT_TOKENS_DENSE = 5
+#: fully rejected drafts in a row before a sequence backs off (``DraftPolicy``)
+PATIENCE = 8
+#: default n-gram lengths matched (tokens): a 1-token match drafts 2 tokens, an 8-token match the full K
+PROMPT_LOOKUP_MIN = 1
+PROMPT_LOOKUP_MAX = 8
 
 
 def default_draft_tokens(generated_int4: bool) -> int:
@@ -65,23 +73,29 @@ class NgramIndex:
                 self.tables[k - lo][tuple(tokens[e - k : e])] = e
         self.indexed = max(self.indexed, end)
 
-    def propose(self, tokens: list[int], num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` draft tokens to follow ``tokens`` (the whole context so far).
+    def match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """The longest suffix of ``tokens`` (``min_ngram..max_ngram`` tokens) that occurred earlier:
+        ``(end, k)``, the position just past its latest earlier occurrence and its length (tokens), or None.
 
-        ``tokens`` must extend the list given at earlier calls (tokens are only appended). Returns []
-        when no suffix of length ``min_ngram..max_ngram`` occurred earlier.
+        ``tokens`` must extend the list given at earlier calls (tokens are only appended).
         """
         n = len(tokens)
-        if num_tokens <= 0 or n < self.min_ngram + 1:
-            return []
+        if n < self.min_ngram + 1:
+            return None
         # every n-gram ending before the last position: the suffix itself must find an *earlier* occurrence
         self._index_upto(tokens, n - 1)
         lo = self.min_ngram
         for k in range(min(self.max_ngram, n - 1), lo - 1, -1):
             e = self.tables[k - lo].get(tuple(tokens[n - k :]))
             if e is not None:
-                return tokens[e : min(n, e + num_tokens)]
-        return []
+                return e, k
+        return None
+
+    def propose(self, tokens: list[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` draft tokens to follow ``tokens`` (the whole context so far): those after the
+        longest ``match``; [] when there is none."""
+        m = self.match(tokens) if num_tokens > 0 else None
+        return [] if m is None else tokens[m[0] : min(len(tokens), m[0] + num_tokens)]
 
 
 class DraftPolicy:
@@ -91,30 +105,57 @@ class DraftPolicy:
         num_speculative_tokens: most draft tokens per step (tokens).
         min_ngram, max_ngram: see ``NgramIndex``.
         max_backoff: most steps a failing sequence skips drafting (steps).
+        patience: fully rejected drafts in a row before the sequence skips drafting (>= 1).
 
     Attributes:
         draft_tokens / accepted_tokens: this sequence's totals (tokens).
     """
 
-    __slots__ = ("index", "k", "skip", "backoff", "max_backoff", "draft_tokens", "accepted_tokens")
+    __slots__ = (
+        "index",
+        "k",
+        "skip",
+        "backoff",
+        "max_backoff",
+        "patience",
+        "failures",
+        "draft_tokens",
+        "accepted_tokens",
+    )
 
     def __init__(
-        self, num_speculative_tokens: int, min_ngram: int = 1, max_ngram: int = 4, max_backoff: int = 16
+        self,
+        num_speculative_tokens: int,
+        min_ngram: int = PROMPT_LOOKUP_MIN,
+        max_ngram: int = PROMPT_LOOKUP_MAX,
+        max_backoff: int = 16,
+        patience: int = PATIENCE,
     ) -> None:
+        if patience < 1:
+            raise ValueError("patience must be >= 1")
         self.index = NgramIndex(min_ngram, max_ngram)
         self.k = num_speculative_tokens
         self.skip = 0
         self.backoff = 1
         self.max_backoff = max_backoff
+        self.patience = patience
+        self.failures = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Draft for the next step: at most ``min(num_speculative_tokens, limit)`` tokens, [] while backing off."""
+        """Draft for the next step: the tokens after the longest earlier match of the context's suffix, as
+        many as the match is long plus one, at most ``min(num_speculative_tokens, limit)``; [] while
+        backing off or without a match."""
         if self.skip > 0:
             self.skip -= 1
             return []
-        return self.index.propose(tokens, min(self.k, limit))
+        cap = min(self.k, limit)
+        m = self.index.match(tokens) if cap > 0 else None
+        if m is None:
+            return []
+        end, k = m
+        return tokens[end : min(len(tokens), end + min(cap, k + 1))]
 
     def record(self, drafted: int, accepted: int) -> None:
         """Feed one verification's outcome (``accepted <= drafted`` tokens)."""
@@ -123,7 +164,10 @@ class DraftPolicy:
         if drafted == 0:
             return
         if accepted == 0:
-            self.skip = self.backoff
-            self.backoff = min(self.max_backoff, self.backoff * 2)
+            self.failures += 1
+            if self.failures >= self.patience:
+                self.skip = self.backoff
+                self.backoff = min(self.max_backoff, self.backoff * 2)
         else:
+            self.failures = 0
             self.backoff = 1

@@ -39,7 +39,7 @@ Usage::
         [--concurrency 1,8,32,64] [--prompt-len 128] [--output-len 128]
         [--long-prompt 2000] [--grammar-seqs 32] [--threads N] [--no-append]
     python bench/engine.py --speculative [--num-speculative-tokens 3] [--speculative-max-batch 4]
-        [--prompt-lookup-min 2] [--prompt-lookup-max 4] [--output-len 128] [--spec-prompts N]
+        [--prompt-lookup-min 1] [--prompt-lookup-max 8] [--output-len 128] [--spec-prompts N]
         [--spec-streams 32] [--spec-sampled] [--ignore-eos] [--off-mode engine|request] [--json PATH]
 
 Prints a table and appends the run to docs/perf.md (date, machine, command, numbers).
@@ -64,7 +64,13 @@ import torch  # noqa: E402
 from backend.engine import Engine  # noqa: E402
 from backend.model_path import default_dtype, default_model_path  # noqa: E402
 from backend.model_runner import ModelRunner  # noqa: E402
-from backend.proposer import DRAFT_TOKENS_DENSE, DRAFT_TOKENS_INT4, default_draft_tokens  # noqa: E402
+from backend.proposer import (  # noqa: E402
+    DRAFT_TOKENS_DENSE,
+    DRAFT_TOKENS_INT4,
+    PROMPT_LOOKUP_MAX,
+    PROMPT_LOOKUP_MIN,
+    default_draft_tokens,
+)
 from backend.protocol import Grammar, RequestError, SamplingParams, Submit, grammar_key  # noqa: E402
 
 # A schema the output keeps following for the whole run (64 items needed): realistic masks (keys, enums,
@@ -623,8 +629,8 @@ def main() -> int:
         default=SPEC_MAX_BATCH,
         help=f"as the backend's flag (default {SPEC_MAX_BATCH})",
     )
-    sp.add_argument("--prompt-lookup-min", type=int, default=2)
-    sp.add_argument("--prompt-lookup-max", type=int, default=4)
+    sp.add_argument("--prompt-lookup-min", type=int, default=PROMPT_LOOKUP_MIN)
+    sp.add_argument("--prompt-lookup-max", type=int, default=PROMPT_LOOKUP_MAX)
     sp.add_argument(
         "--spec-prompts", type=int, default=0, help="only the first N prompts of each set (0: all)"
     )

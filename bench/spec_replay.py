@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--k", type=int, nargs="+", default=[3, 4, 5, 8], help="draft lengths to replay")
-    ap.add_argument("--ngrams", default="2-4", help="n-gram lengths min-max (default 2-4)")
+    ap.add_argument("--ngrams", default="1-8", help="n-gram lengths min-max (default 1-8, the backend's)")
     ap.add_argument("--verify-cost", type=float, default=1.3, help="a verify step's cost in decode steps")
     args = ap.parse_args(argv)
     if args.record:

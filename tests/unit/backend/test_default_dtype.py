@@ -29,5 +29,5 @@ def test_cuda_default_is_the_fast_mode(monkeypatch):
 
 
 def test_draft_length_by_weight_path():
-    assert default_draft_tokens(True) == DRAFT_TOKENS_INT4 == 3
+    assert default_draft_tokens(True) == DRAFT_TOKENS_INT4 == 5
     assert default_draft_tokens(False) == DRAFT_TOKENS_DENSE == 5

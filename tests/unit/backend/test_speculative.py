@@ -55,17 +55,32 @@ def test_ngram_index_matches_a_rescan(tokens, lo, extra):
 
 
 def test_draft_policy_backs_off_and_recovers():
-    p = DraftPolicy(4, 1, 2, max_backoff=4)
+    p = DraftPolicy(4, 1, 2, max_backoff=4, patience=2)
     ctx = [1, 2, 3, 1, 2]
+    assert p.propose(ctx, 10) == [3, 1, 2]  # a 2-token match drafts 3
+    p.record(3, 0)  # fully rejected once: within the patience, still drafting
     assert p.propose(ctx, 10) == [3, 1, 2]
-    p.record(3, 0)  # fully rejected: skip the next step
+    p.record(3, 0)  # twice in a row: skip the next step
     assert p.propose(ctx, 10) == []
     assert p.propose(ctx, 10) == [3, 1, 2]
     p.record(3, 0)  # again: skip two
     assert p.propose(ctx, 10) == [] and p.propose(ctx, 10) == []
     p.record(3, 2)  # an accepted token resets the back-off
-    assert p.backoff == 1 and (p.draft_tokens, p.accepted_tokens) == (9, 2)
+    assert p.backoff == 1 and p.failures == 0 and (p.draft_tokens, p.accepted_tokens) == (12, 2)
     assert p.propose(ctx, 2) == [3, 1]  # the limit caps the draft
+
+
+def test_draft_length_follows_the_match_length():
+    """A match of k tokens drafts at most k + 1, capped by K: a chance 1-token match costs 2 rows."""
+    p = DraftPolicy(5, 1, 8)
+    assert p.propose([7, 8, 9, 7], 10) == [8, 9]  # 1-token match "7"
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    assert DraftPolicy(8, 1, 8).propose(ctx, 10) == [4, 5, 6, 7]  # 3-token match: 4 tokens
+    assert DraftPolicy(3, 1, 8).propose(ctx, 10) == [4, 5, 6]  # K caps it
+    assert DraftPolicy(8, 1, 8).propose(ctx[:-1], 10) == [3, 4, 5]
+    assert NgramIndex(1, 8).match([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]) == (2, 2)
+    with pytest.raises(ValueError):
+        DraftPolicy(4, patience=0)
 
 
 # ------------------------------------------------------------------------- coupled sampling (no model)
