@@ -91,11 +91,16 @@ class NgramIndex:
                 return e, k
         return None
 
-    def propose(self, tokens: list[int], num_tokens: int) -> list[int]:
+    def propose(self, tokens: list[int], num_tokens: int, beyond_match: int | None = None) -> list[int]:
         """Up to ``num_tokens`` draft tokens to follow ``tokens`` (the whole context so far): those after the
-        longest ``match``; [] when there is none."""
+        longest ``match``, at most its length plus ``beyond_match`` when given; [] when there is none."""
         m = self.match(tokens) if num_tokens > 0 else None
-        return [] if m is None else tokens[m[0] : min(len(tokens), m[0] + num_tokens)]
+        if m is None:
+            return []
+        end, k = m
+        if beyond_match is not None:
+            num_tokens = min(num_tokens, k + beyond_match)
+        return tokens[end : min(len(tokens), end + num_tokens)]
 
 
 class DraftPolicy:
@@ -150,12 +155,7 @@ class DraftPolicy:
         if self.skip > 0:
             self.skip -= 1
             return []
-        cap = min(self.k, limit)
-        m = self.index.match(tokens) if cap > 0 else None
-        if m is None:
-            return []
-        end, k = m
-        return tokens[end : min(len(tokens), end + min(cap, k + 1))]
+        return self.index.propose(tokens, min(self.k, limit), beyond_match=1)
 
     def record(self, drafted: int, accepted: int) -> None:
         """Feed one verification's outcome (``accepted <= drafted`` tokens)."""

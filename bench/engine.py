@@ -38,7 +38,7 @@ Usage::
     python bench/engine.py [--dtype bfloat16|float32|float16] [--device cpu|cuda]
         [--concurrency 1,8,32,64] [--prompt-len 128] [--output-len 128]
         [--long-prompt 2000] [--grammar-seqs 32] [--threads N] [--no-append]
-    python bench/engine.py --speculative [--num-speculative-tokens 3] [--speculative-max-batch 4]
+    python bench/engine.py --speculative [--num-speculative-tokens 5] [--speculative-max-batch 4]
         [--prompt-lookup-min 1] [--prompt-lookup-max 8] [--output-len 128] [--spec-prompts N]
         [--spec-streams 32] [--spec-sampled] [--ignore-eos] [--off-mode engine|request] [--json PATH]
 

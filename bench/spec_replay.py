@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.proposer import DraftPolicy  # noqa: E402
+from backend.proposer import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, DraftPolicy  # noqa: E402
 
 Proposer = Callable[[int], DraftPolicy]
 
@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--k", type=int, nargs="+", default=[3, 4, 5, 8], help="draft lengths to replay")
-    ap.add_argument("--ngrams", default="1-8", help="n-gram lengths min-max (default 1-8, the backend's)")
+    ngrams = f"{PROMPT_LOOKUP_MIN}-{PROMPT_LOOKUP_MAX}"
+    ap.add_argument(
+        "--ngrams", default=ngrams, help=f"n-gram lengths min-max (default {ngrams}, the backend's)"
+    )
     ap.add_argument("--verify-cost", type=float, default=1.3, help="a verify step's cost in decode steps")
     args = ap.parse_args(argv)
     if args.record:
