@@ -126,26 +126,36 @@ class _Load:
                 self.health.append((t0, time.monotonic() - t0))
                 self.stop.wait(HEALTH_EVERY_S)
 
-    def attacked(self, a: float, b: float) -> bool:
-        """Whether an attack request was in flight at some time between ``a`` and ``b``."""
-        return any(s < b and e > a for s, e, k, _ in list(self.requests) if k == "attack")
-
-    def stalled(self) -> bool:
-        """A /healthz during an attack took HEALTH_LIMIT_S or more (the measurement has failed)."""
-        return any(lat >= HEALTH_LIMIT_S and self.attacked(t0, t0 + lat) for t0, lat in list(self.health))
-
-    def samples(self, arrivals: list[float]) -> dict[str, list[float]]:
-        """B's gaps (seconds) from its second token on, by kind: ``attack`` when more than half of the gap
-        lies in attack blocks (from a block's first attack request to the end of its last), else ``base``."""
-        attacks: list[list[float]] = []  # [first start, last end] of each run of attack requests
+    def attack_blocks(self) -> list[tuple[float, float]]:
+        """``(first start, last end)`` of each run of consecutive attack requests (seconds, monotonic)."""
+        blocks: list[list[float]] = []
         prev = "base"
         for s, e, k, _ in list(self.requests):
             if k == "attack":
                 if prev == "attack":
-                    attacks[-1][1] = e
+                    blocks[-1][1] = e
                 else:
-                    attacks.append([s, e])
+                    blocks.append([s, e])
             prev = k
+        return [(s, e) for s, e in blocks]
+
+    def attacked(self, a: float, b: float) -> bool:
+        """Whether the interval from ``a`` to ``b`` overlaps an attack block (a blocked attack request takes
+        milliseconds, so a poll is compared with the block around it, not only with the requests in flight)."""
+        return any(s < b and e > a for s, e in self.attack_blocks())
+
+    def stalled(self) -> bool:
+        """A /healthz during an attack took HEALTH_LIMIT_S or more (the measurement has failed)."""
+        blocks = self.attack_blocks()
+        return any(
+            lat >= HEALTH_LIMIT_S and any(s < t0 + lat and e > t0 for s, e in blocks)
+            for t0, lat in list(self.health)
+        )
+
+    def samples(self, arrivals: list[float]) -> dict[str, list[float]]:
+        """B's gaps (seconds) from its second token on, by kind: ``attack`` when more than half of the gap
+        lies in attack blocks (from a block's first attack request to the end of its last), else ``base``."""
+        attacks = self.attack_blocks()
         gaps: dict[str, list[float]] = {"base": [], "attack": []}
         for a, b in zip(arrivals[1:], arrivals[2:]):
             under = sum(max(0.0, min(e, b) - max(s, a)) for s, e in attacks)
