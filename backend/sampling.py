@@ -161,15 +161,17 @@ class ChoiceState:
 _CANDIDATES = 512  # top-k/top-p/min-p rows first look at this many best tokens
 
 
-def _draw(cdf: torch.Tensor, states: list[ChoiceState]) -> list[int]:
-    """Inverse-CDF draw: per row the uniform of the row's next position (``CounterRNG``).
+def _draw(cdf: torch.Tensor, states: list[ChoiceState], ahead: list[int] | None = None) -> list[int]:
+    """Inverse-CDF draw: per row the uniform of the row's next position (``CounterRNG``), or of the
+    position ``ahead[r]`` tokens past it.
 
     ``cdf [R, K]`` non-decreasing (unnormalised). Returns R column indices. The target is kept strictly
     below the row's total (``u`` within ``2**-25`` of 1 would round to it in float32 and take the last
     column, of zero probability or not), so a column of zero probability is never picked.
     """
+    offs = ahead or [0] * len(states)
     u = torch.tensor(
-        [s.generator.uniform(s.num_generated) for s in states],  # type: ignore[union-attr]
+        [s.generator.uniform(s.num_generated + o) for s, o in zip(states, offs)],  # type: ignore[union-attr]
         dtype=torch.float64,
     ).to(cdf.dtype)
     total = cdf[:, -1]
@@ -178,10 +180,10 @@ def _draw(cdf: torch.Tensor, states: list[ChoiceState]) -> list[int]:
     return idx.clamp_(max=cdf.shape[1] - 1).tolist()
 
 
-def _sample_random(x: torch.Tensor, states: list[ChoiceState]) -> list[int]:
+def _sample_random(x: torch.Tensor, states: list[ChoiceState], ahead: list[int] | None = None) -> list[int]:
     """Temperature, top-k, top-p, min-p, then one draw per row (rows independent of each other).
 
-    ``x [R, V]`` processed logits. Filters work on the ``_CANDIDATES`` best tokens of
+    ``x [R, V]`` processed logits; ``ahead``: as ``_draw``'s (None: every row at its next position). Filters work on the ``_CANDIDATES`` best tokens of
     a row (``topk``, sorted), falling back to the full vocabulary for a row whose
     top-p nucleus is not inside them; rows without filters draw from the full softmax.
     Cost: O(R * V) plus O(R * V) ``topk`` for filtered rows (no full sort).
@@ -195,10 +197,13 @@ def _sample_random(x: torch.Tensor, states: list[ChoiceState]) -> list[int]:
         for r, s in enumerate(states)
         if (0 < s.params.top_k < V) or s.params.top_p < 1.0 or s.params.min_p > 0
     ]
-    plain = [r for r in range(R) if r not in set(filt)]
+    filt_set = set(filt)
+    plain = [r for r in range(R) if r not in filt_set]
+    offs = ahead or [0] * R
     if plain:
         sub = probs if len(plain) == R else probs[plain]
-        for r, t in zip(plain, _draw(torch.cumsum(sub, dim=-1), [states[r] for r in plain])):
+        draws = _draw(torch.cumsum(sub, dim=-1), [states[r] for r in plain], [offs[r] for r in plain])
+        for r, t in zip(plain, draws):
             out[r] = t
     if filt:
         # rows grouped by their own candidate count: a row's draw never depends on the other rows
@@ -207,16 +212,16 @@ def _sample_random(x: torch.Tensor, states: list[ChoiceState]) -> list[int]:
             k = states[r].params.top_k
             groups.setdefault(min(V, max(_CANDIDATES, k if 0 < k < V else 0)), []).append(r)
         for kc, rows in groups.items():
-            _sample_filtered(probs, states, rows, kc, out)
+            _sample_filtered(probs, states, rows, kc, out, offs)
     return out
 
 
 def _sample_filtered(
-    probs: torch.Tensor, states: list[ChoiceState], filt: list[int], kc: int, out: list[int]
+    probs: torch.Tensor, states: list[ChoiceState], filt: list[int], kc: int, out: list[int], ahead: list[int]
 ) -> None:
     """Top-k, top-p, min-p and one draw for the rows ``filt`` of ``probs [R, V]`` (softmax after
     temperature), each over its ``kc`` best tokens (wider for a nucleus not inside them); writes
-    ``out[r]``."""
+    ``out[r]``. ``ahead[r]``: as ``_draw``'s."""
     V = probs.shape[1]
     ks = [states[r].params.top_k if 0 < states[r].params.top_k < V else V for r in filt]
     tp = [states[r].params.top_p for r in filt]
@@ -246,7 +251,7 @@ def _sample_filtered(
                 mpv = states[r].params.min_p
                 if mpv > 0:
                     pr = torch.where(pr >= pr.max() * mpv, pr, torch.zeros_like(pr))
-                (c,) = _draw(torch.cumsum(pr, 0).unsqueeze(0), [states[r]])
+                (c,) = _draw(torch.cumsum(pr, 0).unsqueeze(0), [states[r]], [ahead[r]])
                 out[r] = int(keep[c])
             rest = [i for i in range(len(filt)) if i not in set(wide)]
             if not rest:
@@ -270,7 +275,7 @@ def _sample_filtered(
     if any(m > 0 for m in mp):
         mask |= pv < pv[:, :1] * torch.tensor(mp, dtype=torch.float32).unsqueeze(1)
     pv = pv.masked_fill(mask, 0.0)
-    cols = _draw(torch.cumsum(pv, dim=-1), [states[r] for r in filt])
+    cols = _draw(torch.cumsum(pv, dim=-1), [states[r] for r in filt], [ahead[r] for r in filt])
     picked = idx.gather(1, torch.tensor(cols, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
     for r, t in zip(filt, picked):
         out[r] = t
@@ -333,15 +338,20 @@ def sample(
     logits: torch.Tensor,
     states: list[ChoiceState],
     allowed: Masks | None = None,
+    ahead: list[int] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row.
 
     Args:
         logits: ``[B, V] float32`` (any device; moved to CPU), row ``i`` for ``states[i]``.
-        states: per-row ``ChoiceState`` (not modified; call ``state.append`` after).
+        states: per-row ``ChoiceState`` (not modified; call ``state.append`` after). One state may
+            stand for several rows (``ahead``).
         allowed: grammar masks (``backend.grammar.Masks``): row ``rows[j]`` may only take the tokens
             ``allowed[j]`` marks; None: no constrained row. The masked rows of ``logits`` are overwritten
             in place.
+        ahead: row ``i`` draws with the uniform of the position ``ahead[i]`` tokens past
+            ``states[i]``'s next one (None: all 0). Only for states whose transforms do not depend on
+            the tokens in between (``position_free``).
 
     Returns:
         ``(token_ids, logprobs)``: B ints, and per row a ``TokenLogprob`` (raw
@@ -372,7 +382,8 @@ def sample(
             tokens[i] = t
     if rand:
         sub = x[rand] if len(rand) != B else x
-        for i, t in zip(rand, _sample_random(sub, [states[i] for i in rand])):
+        offs = None if ahead is None else [ahead[i] for i in rand]
+        for i, t in zip(rand, _sample_random(sub, [states[i] for i in rand], offs)):
             tokens[i] = t
 
     out_lp: list[TokenLogprob | None] = [None] * B
@@ -387,6 +398,18 @@ def sample(
                 top = [(t, v) for t, v in zip(ids.tolist(), vals.tolist()) if v != float("-inf")]
             out_lp[i] = TokenLogprob(tokens[i], float(row[tokens[i]].item()), top)
     return tokens, out_lp
+
+
+def position_free(state: ChoiceState) -> bool:
+    """Whether ``state``'s next draws depend on nothing but their row and position: no penalty counts,
+    no grammar, and ``min_tokens`` (if any) already reached, so the tokens emitted in between do not
+    change how a later row is transformed."""
+    return (
+        state.counts is None
+        and state.seen is None
+        and state.matcher is None
+        and (state.stop_ids_t is None or state.num_generated >= state.params.min_tokens)
+    )
 
 
 def verify_draft(
@@ -407,7 +430,8 @@ def verify_draft(
         max_tokens: the choice's generation limit (tokens).
 
     Position by position, the token is drawn exactly as ``sample`` draws it (every transform, the
-    position's own uniform number); the draft token there is accepted iff the drawn token equals it.
+    position's own uniform number; all rows in one ``sample`` call when the state is
+    ``position_free``); the draft token there is accepted iff the drawn token equals it.
     Emission stops at the first mismatch (the drawn token replaces the draft's), after the token that
     follows an all-accepted draft, at a stop token or at ``max_tokens``. Every emitted token is a
     draw from the target's distribution given the tokens before it, so the output has the target's
@@ -422,19 +446,12 @@ def verify_draft(
     lps: list[TokenLogprob | None] = []
     accepted = 0
     d = len(draft)
-    plain_greedy = (
-        state.generator is None
-        and not state.want_logprobs
-        and state.bias_ids is None
-        and state.counts is None
-        and state.seen is None
-        and state.matcher is None
-        and state.num_generated >= state.params.min_tokens
-    )  # then one argmax over all rows is what ``sample`` computes row by row
-    am = torch.argmax(logits.float(), dim=-1).tolist() if plain_greedy else None
+    drawn: tuple[list[int], list[TokenLogprob | None]] | None = None
+    if position_free(state):  # one call for all rows: row j as ``sample`` would draw it at position j
+        drawn = sample(logits[: d + 1], [state] * (d + 1), ahead=list(range(d + 1)))
     for j in range(d + 1):
-        if am is not None:
-            tok, lp = am[j], None
+        if drawn is not None:
+            tok, lp = drawn[0][j], drawn[1][j]
         else:
             (tok,), (lp,) = sample(logits[j : j + 1], [state])
         state.append(tok)
