@@ -101,6 +101,63 @@ def _probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor
     return p
 
 
+def _verify_one_by_one(logits: torch.Tensor, draft: list[int], state: ChoiceState) -> tuple[list, list]:
+    """What ``verify_draft`` computes, one ``sample`` call per row (the path for states that are not
+    ``position_free``)."""
+    toks, lps = [], []
+    for j in range(len(draft) + 1):
+        (t,), (lp,) = sample(logits[j : j + 1], [state])
+        state.append(t)
+        toks.append(t)
+        lps.append(lp)
+        if j == len(draft) or t != draft[j]:
+            break
+    return toks, lps
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 0.0, "logit_bias": {"3": 4.0, "17": -2.0}, "logprobs": True, "top_logprobs": 3},
+        {"temperature": 0.8},
+        {"temperature": 0.8, "top_k": 20, "logprobs": True},
+        {"temperature": 1.0, "top_p": 0.99},  # flat logits: the nucleus is wider than the 512 candidates
+        {"temperature": 0.8, "min_p": 0.2},
+        {"temperature": 0.8, "min_tokens": 2},  # reached after 2 tokens: position-free from then on
+        {"temperature": 0.8, "presence_penalty": 1.5},  # not position-free: one call per row
+        {"temperature": 0.8, "repetition_penalty": 1.3},
+    ],
+)
+def test_verify_draws_every_row_as_plain_sampling(kw):
+    """``verify_draft`` emits, with the same logprobs, what sampling the rows one by one emits, whether
+    it draws the rows in one call (``position_free``) or one at a time. The draft is the plain draws
+    themselves, so every row is accepted and every row's draw is compared."""
+    V = 1000
+    gen = torch.Generator().manual_seed(7)
+    flat = "top_p" in kw
+
+    def state(params: SamplingParams) -> ChoiceState:
+        s = ChoiceState(params, 0, [1, 2], V, [0])
+        for t in (5, 6):  # two generated tokens before the verify step
+            s.append(t)
+        return s
+
+    for seed in range(12):
+        logits = torch.randn(6, V, generator=gen) * (0.05 if flat else 3.0)
+        params = SamplingParams(seed=seed, max_tokens=100, **kw)
+        ref, draft = state(params), []
+        for j in range(5):  # the plain draws of rows 0..4 as the draft
+            (t,), _ = sample(logits[j : j + 1], [ref])
+            ref.append(t)
+            draft.append(t)
+        plain = state(params)
+        want, want_lp = _verify_one_by_one(logits, draft, plain)
+        s = state(params)
+        toks, lps, acc = verify_draft(logits, draft, s, frozenset(), 100)
+        assert (toks, acc) == (want, 5) and lps == want_lp, (kw, seed)
+        assert s.num_generated == plain.num_generated
+
+
 def test_coupled_verification_has_the_target_distribution():
     """Two positions: the target's logits at position 1 depend on the token at position 0. The draft is
     fixed (a deterministic proposer). 20,000 seeds: the emitted pair (verify, then the next step's plain
@@ -340,11 +397,13 @@ def test_greedy_is_lossless_alone_and_in_a_batch(one_thread_runner, prompts, dty
     n = NEW_TOKENS
     greedy = [SamplingParams(temperature=0.0, max_tokens=n)] * len(chosen)
     eng = Engine(runner, num_speculative_tokens=5, speculative_max_batch=16)
-    # speculation off (each request opts out), one batch (batch-invariant); its prompts stay in the
-    # prefix cache for the runs with speculation on (prefix caching is invariant: test_invariance)
-    ref = _run(eng, chosen, [SamplingParams(temperature=0.0, max_tokens=n, speculative=False)] * len(chosen))
-    assert eng.stats().spec_drafts == 0
+    # one cold batch with speculation on (chunked prefills beside verify chunks); its prompts stay in the
+    # prefix cache for the run with it off (each request opts out) and the runs alone (prefix caching and
+    # batching are invariant: test_invariance)
     batch = _run(eng, chosen, greedy)
+    drafts = eng.stats().spec_drafts
+    ref = _run(eng, chosen, [SamplingParams(temperature=0.0, max_tokens=n, speculative=False)] * len(chosen))
+    assert eng.stats().spec_drafts == drafts
     alone = [_run(eng, [p], greedy[:1])[0] for p in chosen]
     assert batch == ref
     assert alone == ref
