@@ -183,9 +183,10 @@ def _draw(cdf: torch.Tensor, states: list[ChoiceState], ahead: list[int] | None 
 def _sample_random(x: torch.Tensor, states: list[ChoiceState], ahead: list[int] | None = None) -> list[int]:
     """Temperature, top-k, top-p, min-p, then one draw per row (rows independent of each other).
 
-    ``x [R, V]`` processed logits; ``ahead``: as ``_draw``'s (None: every row at its next position). Filters work on the ``_CANDIDATES`` best tokens of
-    a row (``topk``, sorted), falling back to the full vocabulary for a row whose
-    top-p nucleus is not inside them; rows without filters draw from the full softmax.
+    ``x [R, V]`` processed logits; ``ahead``: as ``_draw``'s (None: every row at its next position).
+    Filters work on the ``_CANDIDATES`` best tokens of a row (``topk``, sorted), falling back to the full
+    vocabulary for a row whose top-p nucleus is not inside them; rows without filters draw from the full
+    softmax.
     Cost: O(R * V) plus O(R * V) ``topk`` for filtered rows (no full sort).
     """
     R, V = x.shape
@@ -253,7 +254,8 @@ def _sample_filtered(
                     pr = torch.where(pr >= pr.max() * mpv, pr, torch.zeros_like(pr))
                 (c,) = _draw(torch.cumsum(pr, 0).unsqueeze(0), [states[r]], [ahead[r]])
                 out[r] = int(keep[c])
-            rest = [i for i in range(len(filt)) if i not in set(wide)]
+            wide_set = set(wide)
+            rest = [i for i in range(len(filt)) if i not in wide_set]
             if not rest:
                 return
             filt = [filt[i] for i in rest]
