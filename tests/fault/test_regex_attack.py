@@ -139,17 +139,17 @@ class _Load:
             prev = k
         return [(s, e) for s, e in blocks]
 
-    def attacked(self, a: float, b: float) -> bool:
+    def attacked(self, a: float, b: float, blocks: list[tuple[float, float]] | None = None) -> bool:
         """Whether the interval from ``a`` to ``b`` overlaps an attack block (a blocked attack request takes
-        milliseconds, so a poll is compared with the block around it, not only with the requests in flight)."""
-        return any(s < b and e > a for s, e in self.attack_blocks())
+        milliseconds, so a poll is compared with the block around it, not only with the requests in flight).
+        ``blocks``: ``attack_blocks()`` when the caller already has them."""
+        return any(s < b and e > a for s, e in (self.attack_blocks() if blocks is None else blocks))
 
     def stalled(self) -> bool:
         """A /healthz during an attack took HEALTH_LIMIT_S or more (the measurement has failed)."""
         blocks = self.attack_blocks()
         return any(
-            lat >= HEALTH_LIMIT_S and any(s < t0 + lat and e > t0 for s, e in blocks)
-            for t0, lat in list(self.health)
+            lat >= HEALTH_LIMIT_S and self.attacked(t0, t0 + lat, blocks) for t0, lat in list(self.health)
         )
 
     def samples(self, arrivals: list[float]) -> dict[str, list[float]]:
@@ -199,7 +199,8 @@ def _measure(gp, key_a: str, key_b: str, lengths: list[int]) -> tuple[bool, str,
         time.sleep(0.2)  # A's load runs before B starts
         arrivals = _stream_arrivals(gp, key_b, load)
     gaps = load.samples(arrivals)
-    health = [lat for t0, lat in load.health if load.attacked(t0, t0 + lat)]
+    blocks = load.attack_blocks()
+    health = [lat for t0, lat in load.health if load.attacked(t0, t0 + lat, blocks)]
     base, attack = gaps["base"], gaps["attack"]
     statuses = sorted({s for *_, s in load.requests})
     detail = (
