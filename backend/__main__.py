@@ -34,6 +34,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from backend import cpu_isa
 from backend.model_path import default_dtype, default_model_path
 from backend.proposer import (
     DRAFT_TOKENS_DENSE,
@@ -256,6 +257,7 @@ def load_reason(model: str, exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the backend until Shutdown or a signal; the exit statuses are in the module docstring."""
     args = build_parser().parse_args(argv)
+    cpu_isa.apply_or_exit("python -m backend")  # before anything imports torch: a forced ISA caps ATen/oneDNN
     from backend.allocator import ThreadGovernor, openmp_wait_policy
 
     openmp_wait_policy(os.environ, args.omp_wait_policy)  # before anything imports torch

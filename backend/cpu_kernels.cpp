@@ -17,7 +17,7 @@
 // h / (nh / nkv) (grouped-query attention).
 // Source followed: vLLM PagedAttention (Kwon et al. 2023) semantics; two-pass softmax.
 #include <torch/extension.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
@@ -96,6 +96,73 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t I) {
     store_m(o + i, _mm512_mul_ps(_mm512_div_ps(z, _mm512_add_ps(one, e)), load_m(u + i, m)), m);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same row kernels in explicit AVX2 + FMA (8 lanes): one instruction sequence per element and one
+// reduction order per row, tails through a zero-padded 8-value buffer (AVX2 has no masked 16-bit loads).
+// Their bits differ from the AVX-512 kernels' (8-lane partial sums, glibc's 8-lane expf), never between rows.
+#define HAVE_AVX2_ROWS 1
+extern "C" __m256 _ZGVdN8v_expf(__m256);  // glibc libmvec's expf, 8 lanes (AVX2)
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {  // round to nearest even, as f32_to_bf16
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // r0..r7 in the low 128 bits
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+// `left` (>= 1) values from p; lanes past them read as 0
+template <typename T> inline __m256 load_n(const T* p, int64_t left) {
+  if (left >= 8) return load8(p);
+  T tmp[8] = {};
+  std::memcpy(tmp, p, left * sizeof(T));
+  return load8(tmp);
+}
+template <typename T> inline void store_n(T* p, __m256 v, int64_t left) {
+  if (left >= 8) return store8(p, v);
+  T tmp[8];
+  store8(tmp, v);
+  std::memcpy(p, tmp, left * sizeof(T));
+}
+// sum of the 8 lanes in one fixed order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+__attribute__((noinline)) float hsum8(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+template <typename TD, typename TO>
+void add_rms_norm_row(float* xr, const TD* dr, const float* w, TO* o, int64_t H, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < H; i += 8) {
+    __m256 v = load_n(xr + i, H - i);
+    if (dr) {
+      v = _mm256_add_ps(v, load_n(dr + i, H - i));
+      store_n(xr + i, v, H - i);
+    }
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(hsum8(acc) / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += 8)
+    store_n(o + i, _mm256_mul_ps(load_n(w + i, H - i), _mm256_mul_ps(load_n(xr + i, H - i), r)), H - i);
+}
+
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t I) {
+  const __m256 lo = _mm256_set1_ps(-80.f), one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < I; i += 8) {
+    const __m256 z = _mm256_max_ps(load_n(g + i, I - i), lo);
+    const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(zero, z));
+    store_n(o + i, _mm256_mul_ps(_mm256_div_ps(z, _mm256_add_ps(one, e)), load_n(u + i, I - i)), I - i);
+  }
+}
+#endif
+#if defined(HAVE_AVX512_ROWS) || defined(HAVE_AVX2_ROWS)
+#define HAVE_VECTOR_ROWS 1  // add_rms_norm_row, silu_mul_row, rope_row: explicit SIMD, batch invariant
 #endif
 
 template <typename T> inline void load_row(const T* src, float* dst, int64_t n);
@@ -146,6 +213,36 @@ inline float softmax_numerators(float* s, int64_t L) {
     acc = _mm512_add_ps(acc, e);
   }
   return _mm512_reduce_add_ps(acc);
+#elif defined(HAVE_AVX2_ROWS)
+  const __m256 lowest = _mm256_set1_ps(-FLT_MAX);
+  __m256 mv = lowest;
+  for (int64_t t = 0; t + 8 <= L; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float m = -FLT_MAX;
+  {
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, mv);
+    for (int i = 0; i < 8; ++i) m = std::max(m, lane[i]);  // max is exact in any order
+    for (int64_t t = L & ~static_cast<int64_t>(7); t < L; ++t) m = std::max(m, s[t]);
+  }
+  const __m256 mx = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; t += 8) {
+    const int64_t left = L - t;
+    if (left >= 8) {
+      const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
+      _mm256_storeu_ps(s + t, e);
+      acc = _mm256_add_ps(acc, e);
+    } else {  // tail lanes: exp(max - max) computed, then zeroed before the sum
+      alignas(32) float tmp[8];
+      for (int i = 0; i < 8; ++i) tmp[i] = i < left ? s[t + i] : m;
+      const __m256 keep = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(static_cast<float>(left)), _CMP_LT_OQ);
+      const __m256 e = _mm256_and_ps(keep, _ZGVdN8v_expf(_mm256_sub_ps(_mm256_load_ps(tmp), mx)));
+      _mm256_store_ps(tmp, e);
+      std::memcpy(s + t, tmp, left * sizeof(float));
+      acc = _mm256_add_ps(acc, e);
+    }
+  }
+  return hsum8(acc);
 #else
   float m = -FLT_MAX;
 #pragma omp simd reduction(max : m)
@@ -332,6 +429,90 @@ void attend_tile_avx512(const float* q, const T* kc, const T* vc, const int32_t*
   }
 }
 #define HAVE_AVX512_DECODE 1
+#elif defined(HAVE_AVX2_ROWS)
+// The 8 lane sums of 8 vectors in one fixed order: out[i] = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+// over part[8 i .. 8 i + 7] (two levels of hadd, one 128-bit swap and add). Not inlined: one compiled
+// instance serves every row (as hsum16 on AVX-512).
+__attribute__((noinline)) __m256 hsum8x8(const float* part) {
+  __m256 v[8];
+  for (int i = 0; i < 8; ++i) v[i] = _mm256_load_ps(part + 8 * i);
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // u0 = [s0..s3 over lanes 0-3, s0..s3 over lanes 4-7], u1 the same for vectors 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// AVX2 attention for head_dim 64 over a tile of nq <= TILE_POSITIONS query positions of one sequence, any
+// group size G = nh / nkv, KV heads [h0, h1): attend_tile_avx512's plan in 8 lanes. Per KV head each key's K
+// row is loaded once for the tile's nq * G rows; a row's score for key t is the 8-FMA dot of its scaled
+// query with k_t, lane-summed 8 keys at a time by hsum8x8; softmax_numerators over its own len; P.V in key
+// order into a per-row accumulator in L1. A row's arithmetic does not depend on nq, the other rows or the split.
+template <typename T>
+void attend_tile_avx2(const float* q, const T* kc, const T* vc, const int32_t* table, const int32_t* lens, int64_t nq,
+                      T* out, int64_t nh, int64_t nkv, int64_t bs, int64_t h0, int64_t h1, float scale,
+                      std::vector<float>& buf) {
+  constexpr int HD = 64;
+  const int64_t G = nh / nkv, rec = nkv * HD, R = nq * G;
+  int64_t Lmax = 0;
+  for (int64_t i = 0; i < nq; ++i) Lmax = std::max<int64_t>(Lmax, lens[i]);
+  const int64_t Lp = pad16(Lmax);
+  float* scores = aligned_scratch(buf, R * Lp + R * 64 + 2 * R * HD + R);  // [R, Lp]
+  float* part = scores + R * Lp;                                            // [R, 8 keys, 8 lanes]
+  float* qs = part + R * 64;                                                // [R, 64] scaled queries
+  float* acc = qs + R * HD;                                                 // [R, 64] P.V sums
+  float* inv = acc + R * HD;                                                // [R]
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t j = 0; j < G; ++j)
+        for (int c = 0; c < 8; ++c)
+          _mm256_store_ps(qs + (i * G + j) * HD + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(q + (i * nh + h * G + j) * HD + 8 * c), sc));
+    for (int64_t t0 = 0; t0 < Lmax; t0 += 8) {
+      const int64_t n = std::min<int64_t>(8, Lmax - t0);
+      for (int64_t tt = 0; tt < n; ++tt) {
+        const T* kp = paged_row<T>(kc, table, t0 + tt, Lmax, bs, rec, h * HD, HD);
+        __m256 k[8];
+        for (int c = 0; c < 8; ++c) k[c] = load8(kp + 8 * c);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = qs + r * HD;
+          __m256 a = _mm256_mul_ps(_mm256_load_ps(qr), k[0]);
+          for (int c = 1; c < 8; ++c) a = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), k[c], a);
+          _mm256_store_ps(part + r * 64 + tt * 8, a);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t tt = n; tt < 8; ++tt) _mm256_store_ps(part + r * 64 + tt * 8, _mm256_setzero_ps());
+        _mm256_store_ps(scores + r * Lp + t0, hsum8x8(part + r * 64));
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t j = 0; j < G; ++j) inv[i * G + j] = 1.f / softmax_numerators(scores + (i * G + j) * Lp, lens[i]);
+    std::fill(acc, acc + R * HD, 0.f);
+    for (int64_t t = 0; t < Lmax; ++t) {
+      const T* vp = paged_row<T>(vc, table, t, Lmax, bs, rec, h * HD, HD);
+      __m256 v[8];
+      for (int c = 0; c < 8; ++c) v[c] = load8(vp + 8 * c);
+      for (int64_t i = 0; i < nq; ++i) {
+        if (t >= lens[i]) continue;
+        for (int64_t j = 0; j < G; ++j) {
+          const int64_t r = i * G + j;
+          const __m256 p = _mm256_set1_ps(scores[r * Lp + t]);
+          float* ar = acc + r * HD;
+          for (int c = 0; c < 8; ++c) _mm256_store_ps(ar + 8 * c, _mm256_fmadd_ps(p, v[c], _mm256_load_ps(ar + 8 * c)));
+        }
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t r = i * G + j;
+        alignas(32) float tmp[HD];
+        const __m256 iv = _mm256_set1_ps(inv[r]);
+        for (int c = 0; c < 8; ++c) _mm256_store_ps(tmp + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + r * HD + 8 * c), iv));
+        store_row<T>(tmp, out + (i * nh + h * G + j) * HD, HD, 1.f);
+      }
+  }
+}
+#define HAVE_AVX2_DECODE 1
 #endif
 
 template <typename T>
@@ -340,6 +521,8 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, co
   const int64_t g = nh / nkv;
 #ifdef HAVE_AVX512_DECODE
   const bool tiled = hd == 64 && (g == 1 || g == 3 || g == 4);
+#elif defined(HAVE_AVX2_DECODE)
+  const bool tiled = hd == 64;
 #else
   const bool tiled = false;
 #endif
@@ -375,6 +558,11 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int32_t* bt, co
           attend_tile_avx512<T, 4>(qt, kc, vc, table, lens + r0, nq, ot, nh, nkv, bs, h0, h1, scale, buf);
         else
           attend_tile_avx512<T, 1>(qt, kc, vc, table, lens + r0, nq, ot, nh, nkv, bs, h0, h1, scale, buf);
+        continue;
+      }
+#elif defined(HAVE_AVX2_DECODE)
+      if (tiled) {
+        attend_tile_avx2<T>(qt, kc, vc, table, lens + r0, nq, ot, nh, nkv, bs, h0, h1, scale, buf);
         continue;
       }
 #endif
@@ -472,7 +660,7 @@ template <typename T> T* mptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.
 template <typename TD, typename TO>
 void add_rms_norm_impl(float* x, const TD* delta, const float* w, TO* out, int64_t T, int64_t H, float eps) {
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-#ifdef HAVE_AVX512_ROWS
+#ifdef HAVE_VECTOR_ROWS
     for (int64_t t = b; t < e; ++t) add_rms_norm_row<TD, TO>(x + t * H, delta ? delta + t * H : nullptr, w, out + t * H, H, eps);
     return;
 #endif
@@ -498,7 +686,7 @@ void add_rms_norm_impl(float* x, const TD* delta, const float* w, TO* out, int64
 template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t N, int64_t I) {
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-#ifdef HAVE_AVX512_ROWS
+#ifdef HAVE_VECTOR_ROWS
     for (int64_t t = b; t < e; ++t) silu_mul_row<T>(gu + t * 2 * I, gu + t * 2 * I + I, out + t * I, I);
     return;
 #endif
@@ -519,6 +707,16 @@ void silu_mul_impl(const T* gu, T* out, int64_t N, int64_t I) {
 // rotate-half RoPE (HF llama): y[i] = x[i] cos[i] - x[i+h] sin[i], y[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h]
 inline void rope_row(const float* x, const float* c, const float* s, float* y, int64_t hd, int64_t rd) {
   const int64_t h = rd / 2;
+#ifdef HAVE_AVX2_ROWS
+  for (int64_t i = 0; i < h; i += 8) {
+    const int64_t left = h - i;
+    const __m256 a = load_n(x + i, left), b = load_n(x + i + h, left);
+    store_n(y + i, _mm256_fnmadd_ps(b, load_n(s + i, left), _mm256_mul_ps(a, load_n(c + i, left))), left);
+    store_n(y + i + h, _mm256_fmadd_ps(a, load_n(s + i + h, left), _mm256_mul_ps(b, load_n(c + i + h, left))), left);
+  }
+  for (int64_t i = rd; i < hd; ++i) y[i] = x[i];
+  return;
+#endif
 #ifdef HAVE_AVX512_ROWS
   for (int64_t i = 0; i < h; i += 16) {
     const __mmask16 m = lanes(h - i);
@@ -683,24 +881,51 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
 // q4_gemm: y [M, N] = x [M, K] @ W.T for 4-bit (Q4_1-style: w = d*q + m, q in 0..15, one (d, m) per 32
 // k) or 8-bit (w = s*(c - 128), c in 0..255, one s per output column) weights, row-invariant.
 // The llama.cpp way (ggml's Q4_1 x Q8_1 dot, ggml_vec_dot_q4_1_q8_1): each row of x is quantized to
-// int8 per 32-element group (d_x = max|x|/127, q_x = round(x/d_x), s_x = d_x*sum(q_x)) from that row
-// alone; per (row, group) the int32 dot of the codes (u8) with q_x (s8) is taken with VPDPBUSD (exact
-// integers), then, in float32 and in group order, acc = fma(cvt(isum), d_w*d_x, acc);
-// acc = fma(m_w, s_x, acc). The same compiled sequence serves every row whatever the row block, the batch
-// or the thread split (threads split N only, never K), so a row's bits depend on that row alone.
+// int8 per 32-element group (d_x = max|x|/127, q_x = round(x * (127/max|x|)), s_x = d_x*sum(q_x), both
+// divisions IEEE) from that row alone; per (row, group) the int32 dot of the codes (u8) with q_x (s8) is
+// exact, then, in float32 and in group order, acc = fma(cvt(isum), d_w*d_x, acc); acc = fma(m_w, s_x, acc).
+// The same compiled sequence serves every row whatever the row block, the batch or the thread split
+// (threads split N only, never K), so a row's bits depend on that row alone; and every ISA computes the
+// same integers and the same float sequence, so AVX2 and AVX-512 give the same bits (bf16 output: round to
+// nearest even, denormals to signed zero, as VCVTNEPS2BF16).
+// Integer dots: AVX-512 VNNI: VPDPBUSD. AVX2: VPMADDUBSW (u8 x s8 pairs -> s16, saturating) then VPMADDWD
+// with ones; 4-bit codes cannot saturate (2 * 15 * 127 = 3,810; the 8 chunks of a group are summed in s16,
+// at most 30,480, before one VPMADDWD); 8-bit codes can (2 * 255 * 127 > 32,767), so the AVX2 8-bit dot
+// takes w8 = c - 128 (signed) as |w8| (u8) times sign(w8) * q_x (ggml's mul_sum_i8_pairs: 2 * 128 * 127 =
+// 32,512) and adds back 128 * sum(q_x).
 // Weight layout (wq, uint8): per 16-column block nb and group g, 4-bit: 4 x 64 bytes, vector v byte
 // 4*col + j = code[col][32g + 8v + j] | code[col][32g + 8v + 4 + j] << 4; 8-bit: 8 x 64 bytes, vector c
-// byte 4*col + j = code[col][32g + 4c + j]. Scales (ws, float32): [N/16, G, 2, 16] = (d_w, m_w).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-// rows per pass over a 16-column block (the accumulators of 8 rows, their int32 dots and the 8 unpacked
-// weight vectors fit in the 32 zmm registers); a verify chunk of up to 8 rows reads each block once
-constexpr int Q_ROWS = 8;
+// byte 4*col + j = code[col][32g + 4c + j]. Scales (ws, float32): [N/16, G, 2, 16] = (d_w, m_w). AVX2 runs
+// a 16-column block as two 8-column halves (bytes [0, 32) and [32, 64) of each 64-byte vector).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q4_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q4_AVX2 1
+#endif
+
+#if defined(Q4_AVX512) || defined(Q4_AVX2)
+namespace {
+// a / b rounded as IEEE division whatever the compiler flags (-ffast-math may turn x / 127 into x * (1/127))
+inline float div_exact(float a, float b) {
+  __m128 r = _mm_set_ss(a);
+  asm("vdivss %1, %0, %0" : "+x"(r) : "x"(_mm_set_ss(b)));
+  return _mm_cvtss_f32(r);
+}
+
 // software prefetch distance (bytes ahead in the weight stream): the hardware prefetcher alone left a
 // decode step waiting on memory (2-core Xeon, bf16, 1 row: 4.8 -> 4.0 ms per step with it)
 constexpr int64_t Q_PREFETCH = 4096;
+}  // namespace
+#endif
+
+#if defined(Q4_AVX512)
+namespace {
+// rows per pass over a 16-column block (the accumulators of 8 rows, their int32 dots and the 8 unpacked
+// weight vectors fit in the 32 zmm registers); a verify chunk of up to 8 rows reads each block once
+constexpr int Q_ROWS = 8;
 
 template <int BITS>
-static inline void q_unpack(const uint8_t* p, __m512i* w) {
+inline void q_unpack(const uint8_t* p, __m512i* w) {
   if constexpr (BITS == 4) {
     const __m512i lo = _mm512_set1_epi8(0x0F);
     for (int v = 0; v < 4; ++v) {
@@ -715,8 +940,8 @@ static inline void q_unpack(const uint8_t* p, __m512i* w) {
 
 // R rows (R <= Q_ROWS) x one 16-column block: out[r][0..16) in float32.
 template <int R, int BITS>
-static inline void q_block(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
-                           int64_t K, int64_t G, __m512* acc) {
+inline void q_block(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
+                    const int32_t* /*qs*/, int64_t K, int64_t G, __m512* acc) {
   constexpr int64_t gbytes = BITS == 4 ? 256 : 512;
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -743,89 +968,260 @@ static inline void q_block(const uint8_t* wq, const float* ws, const int8_t* qx,
 }
 
 template <typename TO>
-static inline void q_store(TO* o, __m512 v) {
+inline void q_store(TO* o, __m512 v) {
   if constexpr (std::is_same<TO, float>::value) {
     _mm512_storeu_ps(o, v);
   } else {
+#if defined(__AVX512BF16__)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+#else  // VCVTNEPS2BF16 by hand: denormals to signed zero, then round to nearest even
+    const __m512i u = _mm512_castps_si512(v);
+    const __mmask16 tiny = _mm512_cmplt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x00800000));
+    const __m512i z = _mm512_mask_and_epi32(u, tiny, u, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(z, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(z, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
+#endif
   }
 }
 
 template <int R, int BITS, typename TO>
-static inline void q_rows(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
-                          int64_t K, int64_t G, TO* out, int64_t N) {
+inline void q_rows(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
+                   const int32_t* qs, int64_t K, int64_t G, TO* out, int64_t N) {
   __m512 acc[R];
-  q_block<R, BITS>(wq, ws, qx, dx, sx, K, G, acc);
+  q_block<R, BITS>(wq, ws, qx, dx, sx, qs, K, G, acc);
   for (int r = 0; r < R; ++r) q_store<TO>(out + r * N, acc[r]);
 }
 
-// Row-local Q8_1 quantization of x [M, K] (bf16 or f32): qx [M, K] s8, dx / sx [M, G] f32.
+// one group of 32 values -> 32 codes at q, the code sum, max|v|
+inline float q8_group(const float* v, int8_t* q, int32_t* sum) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float id = amax > 0.0f ? div_exact(127.0f, amax) : 0.0f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return amax;
+}
+}  // namespace
+#elif defined(Q4_AVX2)
+namespace {
+// rows per pass over an 8-column half block: 4 rows' int16/int32 dots and float accumulators plus the
+// weight and activation vectors fit in the 16 ymm registers
+constexpr int Q_ROWS = 4;
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows (R <= Q_ROWS) x 8 columns (half h of a 16-column block): acc[r] in float32.
+template <int R, int BITS>
+inline void q_half(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
+                   const int32_t* qs, int64_t K, int64_t G, int h, __m256* acc) {
+  constexpr int64_t gbytes = BITS == 4 ? 256 : 512;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* p = wq + g * gbytes + 32 * h;
+    if (h == 0)
+      for (int64_t i = 0; i < gbytes; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wq + g * gbytes + Q_PREFETCH + i), _MM_HINT_T0);
+    __m256i is[R];
+    if constexpr (BITS == 4) {
+      const __m256i lo = _mm256_set1_epi8(0x0F);
+      __m256i s16[R];
+      for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+      for (int v = 0; v < 4; ++v) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * v));
+        const __m256i wl = _mm256_and_si256(b, lo), wh = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = qx + r * K + g * 32 + 8 * v;
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(wl, bcast4(xr)));
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(wh, bcast4(xr + 4)));
+        }
+      }
+      for (int r = 0; r < R; ++r) is[r] = _mm256_madd_epi16(s16[r], ones);
+    } else {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int r = 0; r < R; ++r) is[r] = _mm256_set1_epi32(128 * qs[r * G + g]);
+      for (int c = 0; c < 8; ++c) {
+        const __m256i sw = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
+        const __m256i aw = _mm256_sign_epi8(sw, sw);  // |w8| as u8 (-128 -> 128)
+        for (int r = 0; r < R; ++r) {
+          const __m256i sxr = _mm256_sign_epi8(bcast4(qx + r * K + g * 32 + 4 * c), sw);
+          is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sxr), ones));
+        }
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(ws + g * 32 + 8 * h), mw = _mm256_loadu_ps(ws + g * 32 + 16 + 8 * h);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dwdx = _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * G + g]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), dwdx, acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * G + g]), acc[r]);
+    }
+  }
+}
+
+template <typename TO>
+inline void q_store(TO* o, __m256 v) {
+  if constexpr (std::is_same<TO, float>::value) {
+    _mm256_storeu_ps(o, v);
+  } else {  // VCVTNEPS2BF16's rounding: denormals to signed zero, then round to nearest even
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)));
+    const __m256i z = _mm256_blendv_epi8(u, _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int32_t>(0x80000000u))), tiny);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(z, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(z, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(packed));
+  }
+}
+
+template <int R, int BITS, typename TO>
+inline void q_rows(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
+                   const int32_t* qs, int64_t K, int64_t G, TO* out, int64_t N) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    q_half<R, BITS>(wq, ws, qx, dx, sx, qs, K, G, h, acc);
+    for (int r = 0; r < R; ++r) q_store<TO>(out + r * N + 8 * h, acc[r]);
+  }
+}
+
+// one group of 32 values -> 32 codes at q, the code sum, max|v| (the same values as the AVX-512 q8_group)
+inline float q8_group(const float* v, int8_t* q, int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4];
+  for (int c = 0; c < 4; ++c) x[c] = _mm256_loadu_ps(v + 8 * c);
+  __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1]));
+  m = _mm256_max_ps(m, _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float id = amax > 0.0f ? div_exact(127.0f, amax) : 0.0f;
+  __m256i qi[4];
+  for (int c = 0; c < 4; ++c) qi[c] = _mm256_cvtps_epi32(_mm256_mul_ps(x[c], _mm256_set1_ps(id)));
+  // saturating packs interleave 128-bit lanes: bytes [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | q0 4-7, ...]
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+  return amax;
+}
+}  // namespace
+#endif
+
+#if defined(Q4_AVX512) || defined(Q4_AVX2)
+namespace {
+// Row-local Q8_1 quantization of x [M, K] (bf16 or f32): qx [M, K] s8, dx / sx [M, G] f32, qs [M, G] code sums.
 template <typename TI>
-static void q8_rows(const TI* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+void q8_rows(const TI* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* qs) {
   const int64_t G = K / 32;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       float v[32];
       const TI* xp = x + m * K + g * 32;
       for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(xp[i]);
-      __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float d = amax / 127.0f;
-      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + m * K + g * 32), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + m * K + g * 32 + 16), _mm512_cvtsepi32_epi8(qb));
-      const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      int32_t s;
+      const float d = div_exact(q8_group(v, qx + m * K + g * 32, &s), 127.0f);
       dx[m * G + g] = d;
       sx[m * G + g] = d * static_cast<float>(s);
+      qs[m * G + g] = s;
     }
   }
 }
 
 template <int BITS, typename TO>
-static void q_gemm_impl(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx,
-                        int64_t M, int64_t K, int64_t N, TO* out) {
+void q_gemm_impl(const uint8_t* wq, const float* ws, const int8_t* qx, const float* dx, const float* sx, const int32_t* qs,
+                 int64_t M, int64_t K, int64_t N, TO* out) {
   const int64_t G = K / 32, NB = N / 16;
   const int64_t wblock = G * (BITS == 4 ? 256 : 512);
   at::parallel_for(0, NB, 1, [&](int64_t b, int64_t e) {
     for (int64_t nb = b; nb < e; ++nb) {
       const uint8_t* w = wq + nb * wblock;
       const float* s = ws + nb * G * 32;
+      TO* o = out + nb * 16;
       int64_t m = 0;
       for (; m + Q_ROWS <= M; m += Q_ROWS)
-        q_rows<Q_ROWS, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N);
+        q_rows<Q_ROWS, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N);
       switch (M - m) {
-        case 7: q_rows<7, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
-        case 6: q_rows<6, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
-        case 5: q_rows<5, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
-        case 4: q_rows<4, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
-        case 3: q_rows<3, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
-        case 2: q_rows<2, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
-        case 1: q_rows<1, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, K, G, out + m * N + nb * 16, N); break;
+#if defined(Q4_AVX512)
+        case 7: q_rows<7, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N); break;
+        case 6: q_rows<6, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N); break;
+        case 5: q_rows<5, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N); break;
+        case 4: q_rows<4, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N); break;
+#endif
+        case 3: q_rows<3, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N); break;
+        case 2: q_rows<2, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N); break;
+        case 1: q_rows<1, BITS, TO>(w, s, qx + m * K, dx + m * G, sx + m * G, qs + m * G, K, G, o + m * N, N); break;
         default: break;
       }
     }
   });
 }
+
+struct Q8Rows {  // x's row-local Q8_1 quantization (q8_rows)
+  std::vector<int8_t> qx;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> qs;
+  Q8Rows(const torch::Tensor& x) : qx(x.size(0) * x.size(1)), dx(x.size(0) * (x.size(1) / 32)), sx(dx.size()), qs(dx.size()) {
+    if (x.scalar_type() == torch::kBFloat16)
+      q8_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), qx.data(), dx.data(), sx.data(), qs.data());
+    else
+      q8_rows(x.data_ptr<float>(), x.size(0), x.size(1), qx.data(), dx.data(), sx.data(), qs.data());
+  }
+};
+}  // namespace
 #endif
 
-bool q4_gemm_supported() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  return true;
+// The ISA the q4_gemm body was compiled for: "avx512" (VNNI dots), "avx2", or "" (none: q4_gemm raises).
+std::string q4_gemm_isa() {
+#if defined(Q4_AVX512)
+  return "avx512";
+#elif defined(Q4_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "";
 #endif
 }
 
-torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor wq, torch::Tensor ws, int64_t n, int64_t bits) {
-  TORCH_CHECK(q4_gemm_supported(), "q4_gemm needs AVX-512 BW/VNNI/BF16");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+bool q4_gemm_supported() { return !q4_gemm_isa().empty(); }
+
+static void check_q_input(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
               "x: contiguous bfloat16/float32 [M, K]");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
+}
+
+// x [M, K] -> (qx [M, K] int8, dx [M, K/32] float32, sx [M, K/32] float32): the row quantization q4_gemm applies.
+std::vector<torch::Tensor> q8_quantize(torch::Tensor x) {
+  TORCH_CHECK(q4_gemm_supported(), "q8_quantize needs AVX2+FMA or AVX-512 VNNI");
+  check_q_input(x);
+  const int64_t M = x.size(0), G = x.size(1) / 32;
+  auto qx = torch::empty({M, x.size(1)}, x.options().dtype(torch::kInt8));
+  auto dx = torch::empty({M, G}, x.options().dtype(torch::kFloat32));
+  auto sx = torch::empty({M, G}, x.options().dtype(torch::kFloat32));
+#if defined(Q4_AVX512) || defined(Q4_AVX2)
+  Q8Rows q(x);
+  std::memcpy(qx.data_ptr<int8_t>(), q.qx.data(), q.qx.size());
+  std::memcpy(dx.data_ptr<float>(), q.dx.data(), q.dx.size() * 4);
+  std::memcpy(sx.data_ptr<float>(), q.sx.data(), q.sx.size() * 4);
+#endif
+  return {qx, dx, sx};
+}
+
+torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor wq, torch::Tensor ws, int64_t n, int64_t bits) {
+  TORCH_CHECK(q4_gemm_supported(), "q4_gemm needs AVX2+FMA or AVX-512 VNNI");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  check_q_input(x);
   const int64_t M = x.size(0), K = x.size(1), N = n;
-  TORCH_CHECK(K % 32 == 0 && N % 16 == 0 && N > 0, "K must be a multiple of 32 and N of 16");
+  TORCH_CHECK(N % 16 == 0 && N > 0, "N must be a positive multiple of 16");
   const int64_t G = K / 32;
   TORCH_CHECK(wq.scalar_type() == torch::kUInt8 && wq.is_contiguous() && wq.numel() == N * K * bits / 8,
               "wq: contiguous uint8 of N*K*bits/8 bytes");
@@ -833,24 +1229,19 @@ torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor wq, torch::Tensor ws, int64
               "ws: contiguous float32 [N/16, K/32, 2, 16]");
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * G), sx(M * G);
+#if defined(Q4_AVX512) || defined(Q4_AVX2)
   pybind11::gil_scoped_release no_gil;
-  if (x.scalar_type() == torch::kBFloat16)
-    q8_rows(x.data_ptr<at::BFloat16>(), M, K, qx.data(), dx.data(), sx.data());
-  else
-    q8_rows(x.data_ptr<float>(), M, K, qx.data(), dx.data(), sx.data());
+  const Q8Rows q(x);
   const uint8_t* w = wq.data_ptr<uint8_t>();
   const float* s = ws.data_ptr<float>();
   if (x.scalar_type() == torch::kBFloat16) {
     auto* o = out.data_ptr<at::BFloat16>();
-    if (bits == 4) q_gemm_impl<4>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
-    else q_gemm_impl<8>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
+    if (bits == 4) q_gemm_impl<4>(w, s, q.qx.data(), q.dx.data(), q.sx.data(), q.qs.data(), M, K, N, o);
+    else q_gemm_impl<8>(w, s, q.qx.data(), q.dx.data(), q.sx.data(), q.qs.data(), M, K, N, o);
   } else {
     float* o = out.data_ptr<float>();
-    if (bits == 4) q_gemm_impl<4>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
-    else q_gemm_impl<8>(w, s, qx.data(), dx.data(), sx.data(), M, K, N, o);
+    if (bits == 4) q_gemm_impl<4>(w, s, q.qx.data(), q.dx.data(), q.sx.data(), q.qs.data(), M, K, N, o);
+    else q_gemm_impl<8>(w, s, q.qx.data(), q.dx.data(), q.sx.data(), q.qs.data(), M, K, N, o);
   }
 #endif
   return out;

@@ -1,18 +1,23 @@
 """C++ CPU kernels, built on first use with ``torch.utils.cpp_extension``: paged attention (decode and
-prefill rows in one kernel) and the llama layer's fused element-wise ops, batch invariant on AVX-512.
+prefill rows in one kernel), the llama layer's fused element-wise ops and the row-invariant int4 matmul
+``q4_gemm``, batch invariant in explicit AVX2 or AVX-512.
 
 ``paged_decode`` reads each decode sequence's keys and values in place from the block pool
 through its block table (the torch reference first gathers them into a dense copy), computes
 in float32 and runs one (sequence, KV head) pair per task on torch's intra-op thread pool. The
 source is ``cpu_kernels.cpp`` beside this file; it also holds ``add_rms_norm`` (residual add +
 RMSNorm + cast), ``silu_mul`` (SwiGLU) and ``rope_write_kv`` (RoPE on q/k + K/V cache write), each
-replacing 3-10 small torch ops per layer (see ``backend.models.llama``); the compiled module is cached by torch under
-``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so only the first process on a
-machine pays the ~1 minute build. The module name carries a hash of what the binary depends on
-(``_build_tag``: the source, torch build and location, compiler flags, the CPU's ISA flags for
-``-march=native``), so two environments (or two versions of the source) sharing that cache each keep
-their own build (one name for all was rebuilt ~30 s at every switch) and a cache carried to a CPU
-without AVX-512 is never loaded there (``SIGILL``).
+replacing 3-10 small torch ops per layer (see ``backend.models.llama``).
+
+One source, one build per ISA (``backend.cpu_isa``: ``avx2`` = ``-march=x86-64-v3``, ``avx512``,
+``avx512bf16``; the ``#if`` blocks of the source pick each ISA's bodies), and ``load()`` gives the build of
+the ISA that ``LLM_GATEWAY_CPU_ISA`` selects (default: the best the CPU runs); ``load(isa)`` gives another
+(tests compare them). ``python -m backend.cpu_kernels`` (``make install``) builds every ISA the CPU runs. The
+compiled modules are cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``),
+so only the first process on a machine pays each ~1 minute build. A module's name carries its ISA and a hash
+of what the binary depends on (``_build_tag``: the source, torch build and location, compiler flags), so
+two environments (or two versions of the source) sharing that cache each keep their own build, and a build
+is loaded only on a CPU that has its ISA's flags (never ``SIGILL``).
 
 ``load()`` returns None (callers keep the torch path) when the build fails (no C++ compiler or
 ninja), off Linux x86-64, or when ``LLM_GATEWAY_CPU_KERNEL=0`` is set.
@@ -32,35 +37,46 @@ from pathlib import Path
 
 import torch
 
-from backend.model_path import cpu_flags_line
+from backend import cpu_isa
 
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
 _lock = threading.Lock()
-_module = None
-_tried = False
+_modules: dict[str, object | None] = {}  # per ISA ("" = generic): the module, or None when it failed
 
-_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"]
+_CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
+_GENERIC = ""  # the build for a CPU without AVX2 (or not x86): generic C++ bodies only
+
+_FUNCTIONS = [
+    "paged_decode",
+    "paged_attention",
+    "add_rms_norm",
+    "silu_mul",
+    "rope_write_kv",
+    "apply_token_bitmask",
+    "q4_gemm",
+    "q4_gemm_supported",
+    "q4_gemm_isa",
+    "q8_quantize",
+]
 
 
-def _cpu_isa_flags() -> str:
-    """The first ``flags`` line of ``/proc/cpuinfo`` (what ``-march=native`` compiles for); else ``platform.processor()``."""
-    return cpu_flags_line() or platform.processor()
+def _flags(isa: str) -> list[str]:
+    """Compiler flags of one ISA's build (``backend.cpu_isa.CFLAGS``; the generic build: ``-march=x86-64``)."""
+    return _CFLAGS + (cpu_isa.CFLAGS[isa] if isa else ["-march=x86-64"] if _x86() else [])
 
 
-def _build_tag() -> str:
-    """Short hash of the build's inputs, the source included: processes started before and after an edit
-    of the source each load their own build instead of rebuilding one shared name in turn (one of them
-    found the other's binary, without the functions it expected)."""
+def _x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def _build_tag(isa: str) -> str:
+    """Short hash of the build's inputs, the source and the ISA's flags included: processes started before
+    and after an edit of the source each load their own build instead of rebuilding one shared name in turn
+    (one of them found the other's binary, without the functions it expected), and each ISA has its own."""
     key = "\n".join(
-        [
-            torch.__version__,
-            os.path.dirname(torch.__file__),
-            " ".join(_CFLAGS),
-            _cpu_isa_flags(),
-            _SRC.read_text(),
-        ]
+        [torch.__version__, os.path.dirname(torch.__file__), " ".join(_flags(isa)), _SRC.read_text()]
     )
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
@@ -69,11 +85,21 @@ def enabled() -> bool:
     """False when ``LLM_GATEWAY_CPU_KERNEL`` is ``0``/``false``/``off`` or the platform is not Linux x86-64."""
     if os.environ.get("LLM_GATEWAY_CPU_KERNEL", "1").lower() in ("0", "false", "off", "no"):
         return False
-    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+    return platform.system() == "Linux" and _x86()
 
 
-def load():
-    """The compiled extension module, or None if unavailable; built once per process.
+def isa() -> str | None:
+    """The ISA whose build ``load()`` returns (``backend.cpu_isa.selected``; None: the generic build).
+
+    Raises:
+        backend.cpu_isa.IsaError: ``LLM_GATEWAY_CPU_ISA`` names an ISA this CPU cannot run.
+    """
+    return cpu_isa.selected()
+
+
+def load(isa_name: str | None = None):
+    """The compiled extension module for ``isa_name`` (default: the selected ISA, ``isa()``), or None if
+    unavailable; built (or found in torch's cache) once per process and ISA.
 
     Its functions (all CPU tensors; errors are ``RuntimeError`` from ``TORCH_CHECK``):
     ``paged_attention(q [R, nh, hd] f32, k_cache, v_cache, block_tables [B, W] i32, row_seq [R] i32 | None,
@@ -88,49 +114,41 @@ def load():
     k_cache, v_cache, slots [T] i64, nh, nkv) -> q [T, nh, hd] f32`` (HF rotate-half RoPE; rotated K
     and V stored at ``slots``, negative slots skipped);
     ``apply_token_bitmask(logits [B, V] f32, bitmask [R, W] i32, rows [R] i64)`` (in place: row
-    ``rows[j]`` keeps the tokens whose bit is set in ``bitmask[j]``, the others become ``-inf``).
+    ``rows[j]`` keeps the tokens whose bit is set in ``bitmask[j]``, the others become ``-inf``);
+    ``q4_gemm`` (below), ``q4_gemm_isa() -> "avx2" | "avx512" | ""``, ``q8_quantize(x [M, K]) -> (q [M, K] i8,
+    d [M, K/32] f32, s [M, K/32] f32)`` (``q4_gemm``'s row quantization, for tests).
+
+    Raises:
+        backend.cpu_isa.IsaError: ``isa_name`` (or the setting) names an ISA this CPU cannot run.
     """
-    global _module, _tried
-    if _tried:
-        return _module
+    name = isa() if isa_name is None else isa_name
+    name = name or _GENERIC
+    if name and name not in cpu_isa.supported():
+        raise cpu_isa.IsaError(f"{cpu_isa.SETTING}={name}: this CPU cannot run it")
+    if name in _modules:
+        return _modules[name]
     with _lock:
-        if _tried:  # another thread built it while this one waited
-            return _module
-        try:
-            if enabled():
-                _module = _build()
-        finally:
-            # set only once the build is over: a concurrent caller waits on the lock instead of
-            # seeing ``_tried`` with no module yet and falling back to the torch path for good
-            _tried = True
-    return _module
+        if name not in _modules:  # another thread may have built it while this one waited
+            _modules[name] = _build(name) if enabled() else None
+    return _modules[name]
 
 
-def _build():
-    """Build (or find in torch's cache) and import the extension; None on any failure (logged)."""
+def _build(name: str):
+    """Build (or find in torch's cache) and import one ISA's extension; None on any failure (logged)."""
     try:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"llm_gateway_cpu_kernels_{_build_tag()}",
+            name=f"llm_gateway_cpu_kernels_{name or 'generic'}_{_build_tag(name)}",
             cpp_sources=[_SRC.read_text()],
-            functions=[
-                "paged_decode",
-                "paged_attention",
-                "add_rms_norm",
-                "silu_mul",
-                "rope_write_kv",
-                "apply_token_bitmask",
-                "q4_gemm",
-                "q4_gemm_supported",
-            ],
-            extra_cflags=_CFLAGS,
+            functions=_FUNCTIONS,
+            extra_cflags=_flags(name),
             extra_ldflags=["-fopenmp"],
             with_cuda=False,
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-        log.warning("CPU decode kernel unavailable, using the torch reference: %s", exc)
+        log.warning("CPU kernels (%s) unavailable, using the torch reference: %s", name or "generic", exc)
         return None
 
 
@@ -167,7 +185,7 @@ def paged_decode(
 
 
 def q4_ready() -> bool:
-    """True when the extension is built with ``q4_gemm`` (AVX-512 BW/VNNI/BF16 at compile time)."""
+    """True when the loaded extension has a ``q4_gemm`` body (AVX2 + FMA, or AVX-512 VNNI, at compile time)."""
     mod = load()
     return mod is not None and hasattr(mod, "q4_gemm") and bool(mod.q4_gemm_supported())
 
@@ -225,10 +243,13 @@ def q4_gemm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n: int, bits: i
     """``x [M, K] (bfloat16 or float32) @ W.T -> [M, N]`` (x's dtype) for weights packed by ``q4_pack``
     (``bits=4``) or ``q8_pack`` (``bits=8``); row-invariant: a row's bits depend only on that row.
 
-    Each row of ``x`` is quantized to int8 per 32 values (Q8_1: ``d_x = max|x|/127``, ``s_x = d_x*sum(q_x)``),
-    each (row, group) dot is an exact int32 (``VPDPBUSD``), and the groups are folded in float32 in
-    k order: ``acc += d_w*d_x*isum + m_w*s_x``. Source followed: ggml's ``ggml_vec_dot_q4_1_q8_1``
-    (llama.cpp). Threads split N only, so the result does not depend on the thread count either.
+    Each row of ``x`` is quantized to int8 per 32 values (Q8_1: ``d_x = max|x|/127``, ``q_x = rne(x *
+    (127/max|x|))``, ``s_x = d_x*sum(q_x)``), each (row, group) dot is an exact int32 (``VPDPBUSD`` on AVX-512,
+    ``VPMADDUBSW``/``VPMADDWD`` on AVX2, without saturation), and the groups are folded in float32 in k order:
+    ``acc = fma(isum, d_w*d_x, acc); acc = fma(m_w, s_x, acc)``. Every ISA gives the same bits (bf16 output
+    rounded as ``VCVTNEPS2BF16``). Source followed: ggml's ``ggml_vec_dot_q4_1_q8_1`` and
+    ``mul_sum_i8_pairs`` (llama.cpp). Threads split N only, so the result does not depend on the thread
+    count either.
 
     Raises:
         RuntimeError: the kernel is unavailable (``q4_ready()`` false) or bad shapes/dtypes.
@@ -239,10 +260,13 @@ def q4_gemm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n: int, bits: i
     return mod.q4_gemm(x.contiguous(), wq, ws, int(n), int(bits))
 
 
-if __name__ == "__main__":  # `python -m backend.cpu_kernels`: build (or find) the extension now; never fails
+if (
+    __name__ == "__main__"
+):  # `python -m backend.cpu_kernels`: build (or find) every ISA's extension; never fails
     logging.basicConfig(level=logging.INFO)
-    mod = load()
-    print(
-        "backend.cpu_kernels:",
-        "ready" if mod is not None else "unavailable (the torch reference path will be used)",
-    )
+    for name in cpu_isa.supported() or [_GENERIC]:
+        mod = load(name)
+        print(
+            f"backend.cpu_kernels [{name or 'generic'}]:",
+            "ready" if mod is not None else "unavailable (the torch reference path will be used)",
+        )

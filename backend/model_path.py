@@ -7,6 +7,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from backend import cpu_isa
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The compute/KV dtype of ``python -m backend`` (and so of ``python -m gateway serve`` and ``make serve``)
@@ -20,34 +22,18 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAST_DTYPE = "bfloat16"
 EXACT_DTYPE = "float32"
 
-#: the CPU flags (``/proc/cpuinfo``) that mean native bf16 dot products
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def cpu_flags_line() -> str:
-    """The first ``flags`` line of ``/proc/cpuinfo`` after its colon, stripped ("" where there is none, e.g.
-    not Linux): what ``-march=native`` compiles for."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[-1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags() -> frozenset[str]:
-    """``cpu_flags_line()`` as a set of flag names."""
-    return frozenset(cpu_flags_line().split())
-
 
 def default_dtype(device: str = "cpu") -> str:
-    """The dtype served when none is asked for: ``FAST_DTYPE`` on CUDA and on CPUs with native bf16
-    (``NATIVE_BF16_FLAGS``), ``EXACT_DTYPE`` otherwise."""
+    """The dtype served when none is asked for: ``FAST_DTYPE`` on CUDA and where the selected CPU ISA has
+    native bf16 (``backend.cpu_isa.native_bf16``: ``avx512bf16``), ``EXACT_DTYPE`` otherwise (a run forced to
+    ``LLM_GATEWAY_CPU_ISA=avx2`` gets the AVX2 machine's default).
+
+    Raises:
+        backend.cpu_isa.IsaError: the ISA setting is invalid for this CPU.
+    """
     if not device.startswith("cpu"):
         return FAST_DTYPE
-    return FAST_DTYPE if cpu_flags() & NATIVE_BF16_FLAGS else EXACT_DTYPE
+    return FAST_DTYPE if cpu_isa.native_bf16() else EXACT_DTYPE
 
 
 def default_model_path() -> str:

@@ -110,8 +110,9 @@ class ModelRunner:
         generated_int4: rows of generated tokens (``SeqChunk.prompt_len``) use the packed int4 matmuls and
             an int8 LM head, prompt rows the dense ones: batch-invariant (the format follows the token's role)
             at a third of dense bf16's bytes per decode step (``backend.models.llama.RowRoles``). ``None``: on
-            for bfloat16 on CPU with a 4-bit GGUF when the C++ extension has ``q4_gemm`` (AVX-512 VNNI/BF16:
-            ``backend.cpu_kernels.q4_ready``), off otherwise (torch's int4 kernel is linear in rows). Measured,
+            for bfloat16 on CPU with a 4-bit GGUF when the C++ extension has ``q4_gemm`` (AVX2 + FMA or
+            AVX-512 VNNI: ``backend.cpu_kernels.q4_ready``), off otherwise (torch's int4 kernel is linear in
+            rows); ``True`` also turns it on in float32 (float32 activations through the same kernel). Measured,
             whole decode step, 1 thread, Xeon with AMX: 1/8/32 sequences 11.8/19.1/45.2 ms vs dense
             30.9/34.3/53.1 ms (docs/perf.md, "Batch invariance").
         num_threads: ``torch.set_num_threads`` for this process (``None``: leave torch's default, one per
@@ -157,7 +158,7 @@ class ModelRunner:
         self.block_size = block_size
         if int4_max_rows is None or self.device.type != "cpu":
             int4_max_rows = 0
-        if generated_int4 is None:  # on where the row-invariant VNNI kernel is built (cpu_kernels.q4_gemm)
+        if generated_int4 is None:  # on where the row-invariant int4 kernel is built (cpu_kernels.q4_gemm)
             generated_int4 = (
                 self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels.q4_ready()
             )

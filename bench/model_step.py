@@ -11,6 +11,12 @@ Usage::
     .venv/bin/python bench/model_step.py                       # fp32 + bf16, B = 1, 8, 32, 64
     .venv/bin/python bench/model_step.py --dtypes bfloat16 --batches 1 --profile
     .venv/bin/python bench/model_step.py --append              # also write docs/perf.md
+    .venv/bin/python bench/model_step.py --dtypes float32 --generated-int4 --isas all --batches 1,4,32
+
+``--isas`` runs the whole measurement once per CPU ISA (``LLM_GATEWAY_CPU_ISA``, each in its own process so
+that ATen and oneDNN are capped to it as well; ``all``: every ISA this CPU runs). ``--generated-int4``
+times the decode rows as generated tokens through the row-invariant int4 matmul (``q4_gemm``; the prefill
+stays prompt rows, dense).
 
 The machine is shared: the load average before/after is printed, and is part of the perf entry.
 """
@@ -19,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -28,6 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from backend import cpu_isa  # noqa: E402
+
+cpu_isa.apply()  # before torch: a forced ISA caps ATen and oneDNN too
 
 import torch  # noqa: E402
 
@@ -72,6 +84,7 @@ def _report(dtype: str, label: str, ts: list[float], tokens: int) -> str:
 
 
 def bench_dtype(args, dtype: str) -> list[str]:
+    label = f"{dtype} {cpu_isa.selected() or 'generic'}" + (" int4-generated" if args.generated_int4 else "")
     bs = 16
     ctx = args.context
     max_b = max(args.batches)
@@ -85,7 +98,11 @@ def bench_dtype(args, dtype: str) -> list[str]:
         num_kv_blocks=need,
         device=args.device,
         attention_backend=args.attention,
+        generated_int4=True if args.generated_int4 else None,
     )
+    if args.generated_int4 and not r.generated_int4:
+        raise SystemExit(f"[{label}] --generated-int4: not available here (no 4-bit GGUF or no q4_gemm)")
+    dtype = label
     load_s = time.perf_counter() - t0
     rows = [f"| {dtype} | load | {load_s:.1f} s | | |"]
     print(f"[{dtype}] loaded in {load_s:.1f}s, {r.num_kv_blocks} KV blocks", flush=True)
@@ -95,7 +112,7 @@ def bench_dtype(args, dtype: str) -> list[str]:
     for i in range(max_b):
         r.execute([SeqChunk(prompt, 0, tables[i], False)])
     for B in args.batches:
-        chunks = [SeqChunk([5 + i], ctx, tables[i], True) for i in range(B)]
+        chunks = [SeqChunk([5 + i], ctx, tables[i], True, prompt_len=ctx) for i in range(B)]
         ts = _time(functools.partial(r.execute, chunks), args.steps)
         rows.append(_report(dtype, f"decode B={B} (ctx {ctx})", ts, B))
     if args.prefill:
@@ -108,7 +125,7 @@ def bench_dtype(args, dtype: str) -> list[str]:
     if args.profile:
         from torch.profiler import profile
 
-        chunk = [SeqChunk([5], ctx, tables[0], True)]
+        chunk = [SeqChunk([5], ctx, tables[0], True, prompt_len=ctx)]
         _time(functools.partial(r.execute, chunk), 2)
         n = 10
         with profile() as prof:
@@ -149,6 +166,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per decode batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--profile", action="store_true", help="profile a B=1 decode step")
+    ap.add_argument(
+        "--generated-int4", action="store_true", help="decode rows through q4_gemm (generated rows)"
+    )
+    ap.add_argument(
+        "--isas", default=None, help="comma-separated CPU ISAs to run each in a child process, or 'all'"
+    )
+    ap.add_argument("--rows-json", action="store_true", help=argparse.SUPPRESS)  # a child's table rows
     ap.add_argument("--append", action="store_true", help="append the results to docs/perf.md")
     ap.add_argument("--perf-file", default=None, help="append the entry to this file instead of docs/perf.md")
     args = ap.parse_args()
@@ -158,8 +182,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     load0 = os.getloadavg()
     rows: list[str] = []
-    for dt in args.dtypes.split(","):
-        rows += bench_dtype(args, dt)
+    if args.isas:
+        rows = _per_isa(args)
+    else:
+        for dt in args.dtypes.split(","):
+            rows += bench_dtype(args, dt)
+    if args.rows_json:
+        print("ROWS " + json.dumps(rows))
+        return
     load1 = os.getloadavg()
     print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}")
     if args.append or args.perf_file:
@@ -186,6 +216,36 @@ def main() -> None:
         with perf.open("a") as f:
             f.write("\n".join(entry))
         print(f"appended to {perf}")
+
+
+def _per_isa(args) -> list[str]:
+    """Run this script once per ISA of ``args.isas`` (a child process each, ``LLM_GATEWAY_CPU_ISA`` set);
+    returns their table rows in order."""
+    isas = cpu_isa.supported() if args.isas == "all" else args.isas.split(",")
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the same options, less the ones the parent handles
+        if skip:
+            skip = False
+        elif a in ("--isas", "--perf-file"):
+            skip = True
+        elif not (a.startswith("--isas=") or a.startswith("--perf-file=") or a == "--append"):
+            argv.append(a)
+    rows: list[str] = []
+    for isa in isas:
+        env = {**os.environ, cpu_isa.SETTING: isa}
+        for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+            env.pop(k, None)  # the child's cpu_isa.apply() sets them for its ISA
+        out = subprocess.run(
+            [sys.executable, __file__, *argv, "--rows-json"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for line in out.stdout.splitlines():
+            if line.startswith("ROWS "):
+                rows += json.loads(line[5:])
+            else:
+                print(line, flush=True)
+        if out.returncode:
+            raise SystemExit(f"{isa}: exit {out.returncode}")
+    return rows
 
 
 if __name__ == "__main__":

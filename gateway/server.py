@@ -43,6 +43,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hyper_serve
 
 from auth.errors import StoreUnavailable
+from backend import cpu_isa
 from backend.model_path import default_model_path
 from backend.protocol import Stats
 from gateway.app import build_app
@@ -320,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     settings, 1 when it cannot start (the model, a backend, the tokenizer); the error is one line on stderr
     (``python -m gateway serve: error: cannot load model /m/x.gguf: not a GGUF file ...``)."""
     try:
+        cpu_isa.apply()  # a forced CPU ISA the CPU lacks stops here, before any backend is spawned
         settings, notices = load_settings(argv, os.environ)
-    except SettingsError as exc:
+    except (SettingsError, cpu_isa.IsaError) as exc:
         print(f"python -m gateway serve: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings)

@@ -17,7 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from backend.model_path import default_model_path
+from backend import cpu_isa
+
+cpu_isa.apply()  # LLM_GATEWAY_CPU_ISA=avx2 caps ATen/oneDNN before any test imports torch
+
+from backend.model_path import default_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -37,6 +37,10 @@ import torch.nn.functional as F
 from backend import cpu_kernels, probe_cache
 from backend.attention.base import AttentionBackend, AttentionMetadata
 
+#: compute dtypes whose generated rows can take the packed int4 / int8 weights (``q4_gemm`` takes
+#: bfloat16 or float32 activations)
+_Q_DTYPES = (torch.bfloat16, torch.float32)
+
 
 @dataclass
 class LlamaConfig:
@@ -345,7 +349,7 @@ class Linear:
         self.onednn = onednn_pack(self.w) if prepack else None
         self.tiles = row_tiles(self.onednn, w.shape[1], dtype, self.b) if self.onednn is not None else ()
         self.w8 = self.w8_scale = None
-        if int8_small and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        if int8_small and dtype in _Q_DTYPES and torch.device(device).type == "cpu":
             # per-row symmetric int8 (for the LM head, whose GGUF type is not 4-bit): half the bytes of bf16
             wf = w.to(torch.float32)
             scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -353,12 +357,7 @@ class Linear:
             self.w8_scale = scale.to(dtype)
         self.qg = None  # (wq, ws, bits) for cpu_kernels.q4_gemm: the row-invariant Q4_1/Q8_1 VNNI matmul
         use_q4_gemm = int8_small or q4 is not None
-        if (
-            use_q4_gemm
-            and dtype == torch.bfloat16
-            and torch.device(device).type == "cpu"
-            and self.n % 16 == 0
-        ):
+        if use_q4_gemm and dtype in _Q_DTYPES and torch.device(device).type == "cpu" and self.n % 16 == 0:
             if w.shape[1] % 32 == 0 and cpu_kernels.q4_ready():
                 if q4 is not None and q4[1].shape[1] * 32 == w.shape[1]:
                     self.qg = (*cpu_kernels.q4_pack(*q4), 4)
@@ -450,7 +449,7 @@ class LlamaModel:
             ``backend.cpu_kernels`` when they build (``cpu_kernels`` attribute; None = the torch path).
             Measured, bf16 single-sequence decode step on the 2-core VM: 12.5 ms torch ops -> see
             docs/perf.md for the fused number.
-        generated_int4: on CPU in bfloat16 with ``weights.q4``: rows of generated tokens use the packed int4
+        generated_int4: on CPU in bfloat16 or float32 with ``weights.q4``: rows of generated tokens use the packed int4
             matmuls and an int8 LM head, prompt rows the dense ones (``RowRoles``; the caller passes the
             roles to ``forward``). Batch-invariant, since the format follows the token, not the step; a
             decode step then streams a third of the bytes of dense bf16.
@@ -483,7 +482,7 @@ class LlamaModel:
             int4_max_rows = 0
         self.int4_max_rows = int4_max_rows if weights.q4 else 0
         self.generated_int4 = bool(
-            generated_int4 and weights.q4 and self.device.type == "cpu" and dtype == torch.bfloat16
+            generated_int4 and weights.q4 and self.device.type == "cpu" and dtype in _Q_DTYPES
         )
         quantized = bool(self.int4_max_rows or self.generated_int4)
         self.cpu_kernels = None

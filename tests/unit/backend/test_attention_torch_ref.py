@@ -282,8 +282,7 @@ def test_kernel_disabled_by_env_falls_back(monkeypatch) -> None:
     from backend import cpu_kernels
 
     monkeypatch.setenv("LLM_GATEWAY_CPU_KERNEL", "0")
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_modules", {})
     assert cpu_kernels.load() is None
     attn = TorchAttention(cpu_kernel=True)
     assert attn._cpu_kernel is None
@@ -300,7 +299,7 @@ def test_load_waits_for_a_build_in_progress(monkeypatch) -> None:
     built = []
     started = threading.Event()
 
-    def slow_build():
+    def slow_build(isa: str):
         built.append(1)
         started.set()
         time.sleep(0.3)
@@ -308,8 +307,7 @@ def test_load_waits_for_a_build_in_progress(monkeypatch) -> None:
 
     monkeypatch.setattr(cpu_kernels, "enabled", lambda: True)
     monkeypatch.setattr(cpu_kernels, "_build", slow_build)
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_modules", {})
     got = []
     first = threading.Thread(target=lambda: got.append(cpu_kernels.load()))
     first.start()
