@@ -11,7 +11,7 @@ Text (:func:`checked_text`, on every body before its type is checked): every str
 included, must be valid Unicode text: a lone surrogate (``"\\ud800"``, which JSON's escapes can spell but
 UTF-8 cannot encode) is a 400 ``invalid_value`` naming the field, as is a NUL character in a name (a tenant's
 or key's ``name``, a model name in ``models`` or as a ``model_limits`` key). The message shows the value
-escaped. What the store holds is answered escaped the same way (``gateway.admin.routes.reply``).
+escaped. What the store holds is answered escaped the same way (:func:`encoded`, every admin answer).
 
 Then the limits a body sets (:func:`merged`, :func:`replaced`, :func:`model_limits`) and the models it lists
 (:func:`model_list`) as the store keeps them.
@@ -96,6 +96,26 @@ _NAMES = re.compile(r"name|models\[\d+\]|model_limits\..*", re.DOTALL)  # the me
 def escaped(text: str) -> str:
     """``text`` with every lone surrogate written as its escape (``\\ud800``): encodable as UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def encoded(obj: object) -> bytes:
+    """``obj`` as JSON. A string that UTF-8 cannot encode (a lone surrogate in a row stored before the admin
+    API checked its text, or written by hand) is answered with that character escaped (``a\\ud800``), so
+    the row can still be listed, found and fixed."""
+    try:
+        return msgspec.json.encode(obj)
+    except UnicodeEncodeError:
+        return msgspec.json.encode(_escaped(msgspec.to_builtins(obj)))
+
+
+def _escaped(value: object) -> object:
+    if isinstance(value, str):
+        return escaped(value)
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def _bad_text(text: str, path: str, param: str) -> InvalidRequest | None:

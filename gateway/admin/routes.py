@@ -20,7 +20,7 @@ next request. The auth middleware checked the admin key already; each handler ma
 (bad body or query), 401/403 (admin key), 404 (tenant or key), 409 (name taken), 413 (body too large), 503
 (the shared rate limiter, Redis, or the tenancy store did not answer; ``retry-after``). Every string a body
 gives is checked as text (``gateway.admin.body.checked_text``: no lone surrogate, no NUL in a name; 400 naming
-the field); a stored value that UTF-8 cannot encode is answered escaped (:func:`encoded`).
+the field); a stored value that UTF-8 cannot encode is answered escaped (``body.encoded``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from starlette.routing import BaseRoute, Route
 
 from auth.errors import StoreUnavailable
 from auth.records import KeyRecord, TenantRecord
-from gateway.admin.body import escaped, merged, model_limits, model_list, read_json, read_struct, replaced
+from gateway.admin.body import encoded, merged, model_limits, model_list, read_json, read_struct, replaced
 from gateway.admin.schemas import (
     ApiKey,
     ApiKeyCreated,
@@ -80,26 +80,6 @@ class Conflict(APIError):
 
     status = 409
     type = "invalid_request_error"
-
-
-def encoded(obj: object) -> bytes:
-    """``obj`` as JSON. A string that UTF-8 cannot encode (a lone surrogate in a row stored before the admin
-    API checked its text, or written by hand) is answered with that character escaped (``a\\ud800``), so
-    the row can still be listed, found and fixed."""
-    try:
-        return msgspec.json.encode(obj)
-    except UnicodeEncodeError:
-        return msgspec.json.encode(_escaped(msgspec.to_builtins(obj)))
-
-
-def _escaped(value: object) -> object:
-    if isinstance(value, str):
-        return escaped(value)
-    if isinstance(value, dict):
-        return {_escaped(k): _escaped(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_escaped(v) for v in value]
-    return value
 
 
 def reply(obj: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None) -> Response:
