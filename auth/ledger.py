@@ -11,18 +11,27 @@ new batches join the spool until it has been written back, then it is truncated.
 a process that died in the same folder are adopted and written (rows already stored are skipped by their
 ``row_id``).
 
+A batch the store refuses for another reason (a value out of its range, e.g. a token count over a 64-bit
+integer; a constraint) is written again row by row, so one bad row never takes the others with it: each row
+the store still refuses alone is logged (ERROR, with its request id and tenant) and appended to the spool
+folder's reject file (``auth.spool.Spool.reject``: ``ledger-rejected.jsonl``, kept for the operator, never
+replayed); an outage met meanwhile sends the rows not yet written to the spool as above.
+
 Loss bounds:
 
 * clean shutdown (:meth:`aclose`): none; the queue is written, or spooled when the store is down (logged);
 * crash (SIGKILL, power loss): the rows recorded in the last ``flush_s`` seconds and not yet written, at most
   ``batch`` rows plus what the store was slow to take; spooled rows survive;
-* spool full (``spool_max_rows``): the rows that do not fit are dropped and logged.
+* spool full (``spool_max_rows``): the rows that do not fit are dropped and logged;
+* a row the store refuses on its own: none of the batch's other rows; that row is in the reject file (without
+  a spool folder: only in the log line).
 
 ``tokens_on_day`` reads what was billed on a day (the seed of a daily quota, ``ratelimit.admission``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import uuid
@@ -38,6 +47,16 @@ log = logging.getLogger("auth.ledger")
 
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 5.0
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: the exception's type and message (cut to 300 characters)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+def _as_text(row: dict[str, Any]) -> str:
+    """``row`` as one line of JSON (odd values as their repr)."""
+    return json.dumps(row, default=repr, separators=(",", ":"))
 
 
 class UsageLedger:
@@ -74,6 +93,7 @@ class UsageLedger:
         self._cycles = 0  # write cycles done (a batch and/or a spool replay)
         self._cycled = trio.Event()  # set (and replaced) after each
         self._busy = False
+        self._rejected: set[object] = set()  # row ids rejected (a replay meets a spooled one again)
 
     def record(self, row: dict[str, Any]) -> None:
         """Queue one ledger row (fields: ``auth.sql.USAGE_COLUMNS``; ``row_id`` is given here if absent)."""
@@ -170,13 +190,59 @@ class UsageLedger:
             if rows and self.spool is not None and self.spool.rows:
                 await self._to_spool(rows)  # keep order simple: the spool drains first
             elif rows:
-                try:
-                    self.written += await self.store.insert_usage(rows)
-                except StoreUnavailable:
-                    await self._to_spool(rows)
-                except Exception:
-                    log.exception("usage ledger: failed to write %d rows", len(rows))
+                unwritten = await self._insert(rows)
+                if unwritten:
+                    await self._to_spool(unwritten)
             self._pending = max(0, self._pending - len(rows))
+
+    async def _insert(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Write ``rows`` in one transaction; when the store refuses it (not an outage), row by row, each row
+        it refuses alone rejected (:meth:`_reject`). Returns the rows left unwritten by an outage
+        (``StoreUnavailable``; the caller spools them), [] when every row was written or rejected."""
+        try:
+            self.written += await self.store.insert_usage(rows)
+            return []
+        except StoreUnavailable:
+            return rows
+        except Exception as exc:  # noqa: BLE001 - the driver's refusal: a value or constraint error
+            if len(rows) == 1:
+                await self._reject(rows[0], exc)
+                return []
+            log.warning(
+                "usage ledger: the store refused a batch of %d rows (%s); writing them one by one",
+                len(rows),
+                _reason(exc),
+            )
+        for i, row in enumerate(rows):
+            try:
+                self.written += await self.store.insert_usage([row])
+            except StoreUnavailable:
+                return rows[i:]
+            except Exception as exc:  # noqa: BLE001 - as above, for this row alone
+                await self._reject(row, exc)
+        return []
+
+    async def _reject(self, row: dict[str, Any], exc: BaseException) -> None:
+        """A row the store refused on its own: logged with its request id, kept in the reject file."""
+        where = self.spool.reject_path if self.spool is not None else None
+        if row.get("row_id") in self._rejected:
+            return  # a spooled row rejected before, met again on a replay
+        self._rejected.add(row.get("row_id"))
+        log.error(
+            "usage ledger: the store refused the row of request %s (tenant %s, row %s): %s; %s",
+            row.get("request_id"),
+            row.get("tenant_id"),
+            row.get("row_id"),
+            _reason(exc),
+            f"kept in {where}" if where else f"no spool folder, row lost: {_as_text(row)}",
+        )
+        if self.spool is None:
+            return
+        spool = self.spool
+        try:
+            await trio.to_thread.run_sync(spool.reject, row, _reason(exc))
+        except OSError as e:
+            log.error("usage ledger: cannot write %s (%s): row %s lost", where, e, row.get("row_id"))
 
     async def _to_spool(self, rows: list[dict[str, Any]]) -> None:
         spool = self.spool
@@ -199,17 +265,12 @@ class UsageLedger:
         spool = self.spool
         assert spool is not None
         rows = await trio.to_thread.run_sync(spool.read)
-        try:
-            for i in range(0, len(rows), self.batch):
-                self.written += await self.store.insert_usage(rows[i : i + self.batch])
-        except StoreUnavailable:
-            self._backoff = min(RETRY_MAX_S, self._backoff * 2)
-            self._retry_at = trio.current_time() + self._backoff
-            return
-        except Exception:  # rows the store refuses (not an outage): retrying cannot help
-            log.exception("usage ledger: the store refused spooled rows; dropping the rest of %d", len(rows))
-        else:
-            log.warning("usage ledger: store back; %d spooled rows written", len(rows))
+        for i in range(0, len(rows), self.batch):
+            if await self._insert(rows[i : i + self.batch]):  # an outage: all stays spooled, retried later
+                self._backoff = min(RETRY_MAX_S, self._backoff * 2)
+                self._retry_at = trio.current_time() + self._backoff
+                return
+        log.warning("usage ledger: store back; %d spooled rows written", len(rows))
         await trio.to_thread.run_sync(spool.truncate)
         self._retry_at = math.inf
 

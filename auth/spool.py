@@ -5,6 +5,11 @@ One file per gateway process, ``<folder>/ledger-spool-<pid>.jsonl``: append-only
 is held under an exclusive ``flock`` while its process lives; a file whose lock can be taken belongs to a
 process that died, and the next gateway to start in that folder adopts it (:func:`leftovers`).
 
+Rows the store refuses on their own (``auth.ledger``: a value out of its range) go to the folder's reject file,
+``<folder>/ledger-rejected.jsonl`` (:meth:`Spool.reject`): append-only, one JSON object a line
+(``{"rejected_at": UNIX seconds, "pid": ..., "reason": "...", "row": {...}}``), ``fsync``'d, shared by the
+gateways of the folder, never replayed or adopted: it is the operator's to read (and to fix and re-insert).
+
 Bounded: at most ``max_rows`` rows; the rows that do not fit are dropped, counted in ``dropped`` and logged
 (an ERROR line per append that dropped any). All methods block (file I/O): call them from a worker thread.
 """
@@ -16,11 +21,13 @@ import glob
 import json
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger("auth.ledger")
 
 PATTERN = "ledger-spool-*.jsonl"
+REJECTS = "ledger-rejected.jsonl"
 
 
 def _lock(path: str) -> int | None:
@@ -65,6 +72,7 @@ class Spool:
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
         self.path = os.path.join(folder, f"ledger-spool-{os.getpid()}.jsonl")
+        self.reject_path = os.path.join(folder, REJECTS)
         self.max_rows = max_rows
         self.dropped = 0
         fd = _lock(self.path)
@@ -97,6 +105,19 @@ class Spool:
 
     def read(self) -> list[dict[str, Any]]:
         return _read(self.fd)
+
+    def reject(self, row: dict[str, Any], reason: str) -> None:
+        """Append ``row`` (and fsync) to the reject file with ``reason`` (see the module docstring). One
+        ``write`` of one line with ``O_APPEND``: gateways sharing the folder never interleave their lines.
+        Raises OSError."""
+        line = {"rejected_at": time.time(), "pid": os.getpid(), "reason": reason, "row": row}
+        data = json.dumps(line, separators=(",", ":"), default=repr).encode() + b"\n"
+        fd = os.open(self.reject_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def truncate(self) -> None:
         """Empty the file (after its rows were written to the store)."""

@@ -52,6 +52,7 @@ from gateway.middleware.auth import AuthMiddleware
 from gateway.middleware.body import BodyGuard
 from gateway.middleware.cors import CORSMiddleware, allow_header
 from gateway.middleware.drain import DrainGate
+from gateway.middleware.hops import HopGuard
 from gateway.observability.middleware import ObservabilityMiddleware
 from gateway.observability.record import get_record
 from gateway.ollama.routes import OllamaAPI
@@ -164,9 +165,9 @@ def build_app(gw: Gateway) -> GatewayApp:
     the route table; error responses get CORS headers too, so a browser can read a 401 or 429 body) -> body
     guard (``http.body_timeout``: 408 for a body that does not arrive in time; the unread rest of a body
     drained before its response ends, until the server stops) -> drain gate (503 while draining, counts
-    requests in flight) -> observability (request id, access log, request metrics: it sees 500s too) ->
-    Starlette's error middleware -> auth (every non-public path, once) -> the exception handlers -> the
-    routes.
+    requests in flight) -> observability (request id, access log, request metrics: it sees 500s too) -> hop
+    guard (508 ``loop_detected`` for a request whose ``Via`` names this gateway) -> Starlette's error
+    middleware -> auth (every non-public path, once) -> the exception handlers -> the routes.
     """
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -197,7 +198,8 @@ def build_app(gw: Gateway) -> GatewayApp:
     )
     app.state.gateway = gw
     app.router.redirect_slashes = False  # a 307 built from the Host header would be an open redirect
-    observed = ObservabilityMiddleware(app, gw.metrics, log_content=gw.settings.observability.log_content)
+    hops = HopGuard(app)  # 508 for a request that came back here (gateway/middleware/hops.py)
+    observed = ObservabilityMiddleware(hops, gw.metrics, log_content=gw.settings.observability.log_content)
     drain = DrainGate(observed, gw.catalog)
     guarded = BodyGuard(drain, timeout=gw.config.body_timeout, stopping=drain.stopping)
 

@@ -198,6 +198,16 @@ class ServiceUnavailable(APIError):
     type = "server_error"
 
 
+class LoopDetected(APIError):
+    """508 ``loop_detected``: the request has already passed through this gateway (its ``Via`` header names
+    this gateway's instance: ``gateway.middleware.hops``), so an upstream model leads back here (RFC 5842
+    section 7.2, 508 Loop Detected)."""
+
+    status = 508
+    type = "server_error"
+    default_code = "loop_detected"
+
+
 class InternalError(APIError):
     """500: a fault of ours; the message says nothing private."""
 

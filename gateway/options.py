@@ -10,6 +10,8 @@ flag), the model and the option.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -154,10 +156,51 @@ def model_engine(engine: Mapping[str, str | bool], model: ModelSettings) -> dict
     return base | own
 
 
-def check_models(settings: Settings, merged: dict[str, dict[str, object]], notices: list[str]) -> None:
+_LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def _addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address] | None:
+    """The addresses a host of a URL or a listener names without asking DNS (an IP literal, or a name of
+    this machine's loopback); None for any other name."""
+    host = host.strip("[]").lower()
+    if host in _LOCAL_NAMES:
+        return {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        return None
+
+
+def own_listener(url: str, host: str, port: int) -> bool:
+    """Whether ``url`` reaches this gateway's own listener ``host:port`` (``http.host``, ``http.port``): the
+    same port and the same address, a loopback name for a loopback listener, or any local address (loopback
+    or unspecified) for a listener on every address (``0.0.0.0``, ``::``). Names other than localhost are not
+    resolved (no DNS at start): a loop through one is refused at run time (``gateway.middleware.hops``)."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        url_port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return False
+    if port == 0 or url_port != port or not u.hostname:
+        return False
+    target, listener = _addresses(u.hostname), _addresses(host)
+    if target is None:
+        return listener is None and u.hostname.lower() == host.lower()
+    if listener is None:
+        return False
+    if any(a.is_unspecified for a in listener):
+        return any(a.is_loopback or a.is_unspecified for a in target)
+    return bool(target & listener)
+
+
+def check_models(
+    settings: Settings, merged: dict[str, dict[str, object]], notices: list[str], source: str = "models"
+) -> None:
     """The declared models against the rest: single-model options set too, names used twice, engine options
     that do not go together (checked by the backend's parser), engine options of a model with
-    ``backend_url`` (ignored: a notice). Raises ``SettingsError``."""
+    ``backend_url`` (ignored: a notice), a model of kind ``openai`` whose ``urls`` lead to this gateway's
+    own listener (``own_listener``: it would call itself). Raises ``SettingsError`` (``source``: where the
+    models were declared, e.g. ``/etc/gw.toml: [[models]]``)."""
     given = [f"[{t}] {n}" for t, n in SINGLE_MODEL_OPTIONS if n in merged[t]]
     if given:
         raise SettingsError(
@@ -173,6 +216,13 @@ def check_models(settings: Settings, merged: dict[str, dict[str, object]], notic
                 raise SettingsError(f"model name {n!r} is used by both {seen[n]!r} and {m.name!r}")
             seen[n] = m.name
         if m.kind != "native":
+            urls = m.upstream.get("urls")
+            for url in urls if isinstance(urls, list) else []:
+                if isinstance(url, str) and own_listener(url, settings.http.host, settings.http.port):
+                    raise SettingsError(
+                        f"{source}: model {m.name!r}: urls holds {url[:200]!r}, this gateway's own listener "
+                        f"({settings.http.host}:{settings.http.port}): the model would call itself"
+                    )
             continue
         check_engine(model_engine(settings.engine, m), f"model {m.name!r}: engine options")
         if m.backend_url and model_engine({}, m):

@@ -243,7 +243,9 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
     engine: dict[str, str | bool] = {}
     models: list[ModelSettings] = []
     path = ns.get("config") or environ.get(ENV_PREFIX + "CONFIG")
+    source = "models"
     if path:
+        source = f"{path}: [[models]]"
         data = _read_toml(path)
         models = [model_table(t, f"{path}: [[models]]", strict=True) for t in data.get("models", [])]
         for table in SECTIONS:
@@ -266,6 +268,7 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
         if var in environ:
             engine[name] = engine_token(name, environ[var], f"environment variable {var}")
     if "models" in ns:
+        source = "argument --serve-model"
         models = [
             model_table(parse_model_spec(v, "argument --serve-model"), "argument --serve-model", strict=False)
             for v in ns.pop("models")
@@ -282,7 +285,7 @@ def load_settings(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[S
     settings = convert({**merged, "engine": engine}, Settings, "settings", strict=False)
     settings.models = models
     if models:
-        check_models(settings, merged, notices)
+        check_models(settings, merged, notices, source)
     elif settings.backend.backend_url and settings.engine:
         notices.append(
             "engine options apply to spawned backends only; ignored with --backend-url: "

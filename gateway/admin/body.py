@@ -7,6 +7,12 @@ Errors (all OpenAI-shaped, ``gateway.errors``): 413 ``request_too_large`` over :
 ``unknown_parameter`` with ``param`` naming the field (``limits.rpm`` for a nested one, ``models[1]`` for an
 item, ``model_limits.<model>.rpm`` inside an entry of a map, ``model_limits`` for a bad model name as a key).
 
+Text (:func:`checked_text`, on every body before its type is checked): every string of the body, member names
+included, must be valid Unicode text: a lone surrogate (``"\\ud800"``, which JSON's escapes can spell but
+UTF-8 cannot encode) is a 400 ``invalid_value`` naming the field, as is a NUL character in a name (a tenant's
+or key's ``name``, a model name in ``models`` or as a ``model_limits`` key). The message shows the value
+escaped. What the store holds is answered escaped the same way (:func:`encoded`, every admin answer).
+
 Then the limits a body sets (:func:`merged`, :func:`replaced`, :func:`model_limits`) and the models it lists
 (:func:`model_list`) as the store keeps them.
 """
@@ -67,17 +73,83 @@ def invalid_body(exc: msgspec.ValidationError, within: str = "") -> InvalidReque
     return InvalidRequest(f"Invalid value for '{path}': {what}.", param=path or None, code=code)
 
 
-async def read_json(request: Request, *, required: bool = False) -> object:
-    """The body's JSON value; an empty body is ``{}`` (or a 400 when ``required``)."""
+async def read_json(request: Request, *, required: bool = False, within: str = "") -> object:
+    """The body's JSON value, its text checked (:func:`checked_text`; ``within``: the field the body is, for
+    ``param``); an empty body is ``{}`` (or a 400 when ``required``)."""
     body = await read_body(request, MAX_BODY)
     if not body.strip():
         if required:
             raise InvalidRequest("This request needs a JSON body.", code="invalid_json")
         return {}
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
+    checked_text(value, within)
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NAMES = re.compile(r"name|models\[\d+\]|model_limits\..*", re.DOTALL)  # the members that name something
+
+
+def escaped(text: str) -> str:
+    """``text`` with every lone surrogate written as its escape (``\\ud800``): encodable as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def encoded(obj: object) -> bytes:
+    """``obj`` as JSON. A string that UTF-8 cannot encode (a lone surrogate in a row stored before the admin
+    API checked its text, or written by hand) is answered with that character escaped (``a\\ud800``), so
+    the row can still be listed, found and fixed."""
+    try:
+        return msgspec.json.encode(obj)
+    except UnicodeEncodeError:
+        return msgspec.json.encode(_escaped(msgspec.to_builtins(obj)))
+
+
+def _escaped(value: object) -> object:
+    if isinstance(value, str):
+        return escaped(value)
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
+
+
+def _bad_text(text: str, path: str, param: str) -> InvalidRequest | None:
+    """The 400 for ``text`` found at ``path`` (``param`` named), or None when it is valid there."""
+    if _SURROGATE.search(text):
+        why = "is not valid Unicode text (a lone surrogate)"
+    elif "\x00" in text and _NAMES.fullmatch(path):
+        why = "holds a NUL character"
+    else:
+        return None
+    shown = escaped(text[:100]).replace("\x00", "\\u0000")
+    return InvalidRequest(f"Invalid value for '{param}': '{shown}' {why}.", param=param, code="invalid_value")
+
+
+def checked_text(value: object, path: str = "") -> None:
+    """Raises ``InvalidRequest`` (400 ``invalid_value`` naming the field: ``name``, ``models[1]``,
+    ``filters.hooks[0].patterns[2]``; a member name: its map, ``model_limits``) for a string of ``value``
+    that is not valid text (see the module docstring); ``path`` names ``value`` itself ("" for a body)."""
+    stack: list[tuple[object, str]] = [(value, path)]
+    while stack:
+        item, at = stack.pop()
+        err = None
+        if isinstance(item, str):
+            err = _bad_text(item, at, at)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                inner = f"{at}.{k}" if at else str(k)
+                if err is None and isinstance(k, str):
+                    err = _bad_text(k, inner, at or escaped(k))
+                stack.append((v, inner))
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+        if err is not None:
+            raise err
 
 
 async def read_struct(request: Request, typ: type[T], *, required: bool = True) -> T:

@@ -18,7 +18,9 @@
 next request. The auth middleware checked the admin key already; each handler makes sure it did
 (:meth:`Tenants.require_admin`), so the routes stay closed in an app without it. Errors (OpenAI's body): 400
 (bad body or query), 401/403 (admin key), 404 (tenant or key), 409 (name taken), 413 (body too large), 503
-(the shared rate limiter, Redis, or the tenancy store did not answer; ``retry-after``).
+(the shared rate limiter, Redis, or the tenancy store did not answer; ``retry-after``). Every string a body
+gives is checked as text (``gateway.admin.body.checked_text``: no lone surrogate, no NUL in a name; 400 naming
+the field); a stored value that UTF-8 cannot encode is answered escaped (``body.encoded``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from starlette.routing import BaseRoute, Route
 
 from auth.errors import StoreUnavailable
 from auth.records import KeyRecord, TenantRecord
-from gateway.admin.body import merged, model_limits, model_list, read_json, read_struct, replaced
+from gateway.admin.body import encoded, merged, model_limits, model_list, read_json, read_struct, replaced
 from gateway.admin.schemas import (
     ApiKey,
     ApiKeyCreated,
@@ -81,11 +83,11 @@ class Conflict(APIError):
 
 
 def reply(obj: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(obj), status, headers, media_type="application/json")
+    return Response(encoded(obj), status, headers, media_type="application/json")
 
 
 def error_reply(e: APIError) -> Response:
-    return Response(msgspec.json.encode(e.body()), e.status, e.headers, media_type="application/json")
+    return Response(encoded(e.body()), e.status, e.headers, media_type="application/json")
 
 
 def limits_object(lim: Limits) -> LimitsObject:
@@ -309,7 +311,7 @@ class AdminAPI:
 
     async def put_filters(self, request: Request) -> Response:
         t = await self.tenant_or_404(request)
-        config = checked_filters(await read_json(request, required=True))
+        config = checked_filters(await read_json(request, required=True, within="filters"))
         return reply_json((await self.changed_tenant(t.id, filters=config)).filters)
 
     async def clear_leases(self, request: Request) -> Response:
@@ -350,7 +352,7 @@ class AdminAPI:
 
 
 def reply_json(value: object) -> Response:
-    return Response(msgspec.json.encode(value), media_type="application/json")
+    return Response(encoded(value), media_type="application/json")
 
 
 async def usage(tenants: Tenants, tenant_id: str, request: Request) -> Usage:

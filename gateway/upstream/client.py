@@ -29,7 +29,8 @@ import httpx
 import msgspec
 import trio
 
-from gateway.errors import APIError
+from gateway.errors import APIError, LoopDetected
+from gateway.middleware.hops import outgoing_via
 from gateway.upstream.config import UpstreamConfig
 from gateway.upstream.errors import UpstreamError, UpstreamUnavailable, refused
 
@@ -101,11 +102,14 @@ class UpstreamClient:
         as ``x-request-id`` (the upstream's logs can name the same request).
 
         Raises:
+            LoopDetected: 508, the upstream answered 508 (a loop).
             UpstreamUnavailable: 503, no URL could be reached.
             UpstreamError: 502, every reachable URL failed (5xx, timeout, broken answer).
             APIError: the upstream's 4xx (``errors.refused``).
         """
-        headers = {"x-request-id": request_id} if request_id else {}
+        headers = {"via": outgoing_via()}
+        if request_id:
+            headers["x-request-id"] = request_id
         resp = await self._send(path, _encode(body), headers)
         self.in_flight += 1
         try:
@@ -143,6 +147,12 @@ class UpstreamClient:
             finally:
                 with trio.CancelScope(shield=True):
                     await resp.aclose()
+            if resp.status_code == 508:  # a loop back to a gateway on the way: no other URL can help
+                log.warning("model %s: %s answered 508 (a loop)", self.name, _where(url))
+                raise LoopDetected(
+                    f"The upstream model server of '{self.name}' leads back to a gateway this request has "
+                    "already passed through (a loop): point the model's urls at another server."
+                )
             if resp.status_code >= 500 or resp.status_code < 400:  # a 3xx is not followed: a failure
                 log.warning("model %s: %s answered %d", self.name, _where(url), resp.status_code)
                 failure = UpstreamError(

@@ -15,6 +15,13 @@ Built from a ``[[models]]`` table (``gateway.sections.ModelSettings``): the kind
     ca_file = "/etc/ssl/internal-ca.pem"  # optional: https URLs verified with it (default: system CAs)
     prompt_as = "ids"                     # send = "prompt": token ids (default) or "text"
 
+Timeouts (seconds): ``connect_timeout`` per URL; ``read_timeout``, the longest wait for any byte (httpx's);
+``event_timeout``, the longest wait for the next event of the answer, where SSE comments (``: ping``) and blank
+lines do not count, so an upstream that only pings cannot hold a request; ``deadline``, the whole upstream
+request from its first connection to its last byte (LiteLLM's default request timeout, 600 s). Past either of
+the last two the request ends with 504 ``upstream_timeout`` (an SSE error event once streaming) and its
+upstream connection is closed.
+
 Units: seconds for timeouts, tokens for ``context_length``, tokens per character for ``tokens_per_char``. Errors: ``UpstreamConfigError``
 (a ``ValueError``) names the field, never the key (``gateway.launch`` puts the model's name first).
 """
@@ -70,7 +77,11 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
         int, _meta("tokens a request may use (reserved when max_tokens is absent)", ge=1)
     ] = 8192
     connect_timeout: Annotated[float, _meta("seconds to connect to one URL", gt=0)] = 3.0
-    read_timeout: Annotated[float, _meta("seconds the upstream may stay silent", gt=0)] = 120.0
+    read_timeout: Annotated[float, _meta("seconds the upstream may send no byte at all", gt=0)] = 120.0
+    event_timeout: Annotated[
+        float, _meta("seconds the upstream may send no event (SSE comments count as silence)", gt=0)
+    ] = 120.0
+    deadline: Annotated[float, _meta("seconds one upstream request may take in all", gt=0)] = 600.0
     tokens_per_char: Annotated[
         float, _meta("tokens reserved per prompt character without a tokenizer", gt=0)
     ] = TOKENS_PER_CHAR

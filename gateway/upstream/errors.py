@@ -2,11 +2,12 @@
 
 ``UpstreamError`` (502 ``upstream_error``): the upstream answered 5xx, broke off, or sent what is not an
 OpenAI answer. ``UpstreamUnavailable`` (503 ``upstream_unavailable``): no listed URL could be reached
-(connection refused, DNS, connect timeout). ``refused(status, body, headers)`` turns an upstream 4xx into the
+(connection refused, DNS, connect timeout). ``UpstreamTimeout`` (504 ``upstream_timeout``): no event within
+``event_timeout``, or past the request's ``deadline``. ``refused(status, body, headers)`` turns an upstream 4xx into the
 same status with its message (429 keeps its ``retry-after``).
 
 Source followed: OpenAI error object (https://platform.openai.com/docs/guides/error-codes); RFC 9110
-section 15.6.3 (502 Bad Gateway), 15.6.4 (503), 10.2.3 (Retry-After).
+section 15.6.3 (502 Bad Gateway), 15.6.4 (503), 15.6.5 (504), 10.2.3 (Retry-After).
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ class UpstreamError(APIError):
     status = 502
     type = "server_error"
     default_code = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    """504 ``upstream_timeout``: the upstream sent no event for ``event_timeout`` seconds (comments do not
+    count), or its answer outlasted ``deadline`` (``gateway.upstream.config``)."""
+
+    status = 504
+    default_code = "upstream_timeout"
 
 
 class UpstreamUnavailable(ServiceUnavailable):

@@ -14,7 +14,9 @@ still a plain HTTP error); afterwards a ``Heartbeat`` goes out whenever nothing 
 ``sse_heartbeat``. When every choice is over (an upstream ``finish_reason``, or an output filter cut it)
 the run waits for the usage chunk only if the upstream finished every choice itself; otherwise, and on a
 client disconnect or an error, leaving the block closes the upstream response in cancel-shielded cleanup,
-which closes its connection: the upstream stops generating.
+which closes its connection: the upstream stops generating. Bounds: the upstream request within ``deadline``,
+each event within ``event_timeout`` (comments do not count), else 504 ``UpstreamTimeout``; a ``usage`` no
+upstream could report (``usage.checked_usage``) is a 502.
 
 Billing (``Reservation.finish``, cancel-shielded, on every exit): the upstream's ``usage`` when it sent
 one, else counted here and marked estimated (``gateway.upstream.usage``; ``timings.usage_estimated = 1`` in
@@ -51,10 +53,10 @@ from gateway.generation.events import (
 from gateway.generation.request import GenerationRequest
 from gateway.sections import HTTPSettings
 from gateway.upstream.call import UpstreamCall
-from gateway.upstream.errors import UpstreamError
+from gateway.upstream.errors import UpstreamError, UpstreamTimeout
 from gateway.upstream.model import OpenAIUpstream
-from gateway.upstream.sse import chunks, finish_reason, tool_call_pieces
-from gateway.upstream.usage import Usage, settled, text_tokens
+from gateway.upstream.sse import finish_reason, timed_chunks, tool_call_pieces
+from gateway.upstream.usage import Usage, checked_usage, settled, text_tokens
 from ratelimit.reservation import Reservation
 
 log = logging.getLogger("gateway.upstream")
@@ -180,7 +182,25 @@ class _UpstreamRun:
                 await self.sink.emit(ended or self._ended(500))
 
     async def _answer(self, headers: dict[str, str]) -> None:
-        self.t_sent = time.perf_counter()
+        """The answer within the model's ``deadline`` (else 504, the response closed), then ``Completed``."""
+        self.t_sent, deadline = time.perf_counter(), self.model.config.deadline
+        with trio.move_on_after(deadline) as scope:
+            await self._exchange(headers)
+        if scope.cancelled_caught:
+            raise UpstreamTimeout(
+                f"The upstream server of '{self.model.name}' passed its {deadline:g} s deadline."
+            )
+        usage = self._usage()
+        await self.sink.emit(
+            Completed(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                timings=self._timings(usage),
+            )
+        )
+
+    async def _exchange(self, headers: dict[str, str]) -> None:
         async with self.model.client.stream(self.call.path, self.call.body, self.req.request_id) as resp:
             self.accepted = True
             send, recv = trio.open_memory_channel[Any](_CHANNEL)
@@ -195,22 +215,13 @@ class _UpstreamRun:
                     nursery.cancel_scope.cancel()  # every choice over, an error or the client gone
             if failure is not None:
                 raise failure
-        usage = self._usage()
-        await self.sink.emit(
-            Completed(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
-                timings=self._timings(usage),
-            )
-        )
 
     async def _read(self, resp: httpx.Response, send: trio.MemorySendChannel[Any]) -> None:
         """The reader task: every chunk of ``resp`` into ``send``, then a ``_Failed`` if the upstream failed;
-        closing ``send`` is the end of the answer."""
+        closing ``send`` is the end of the answer (``sse.timed_chunks``: ``event_timeout`` between events)."""
         async with send:
             try:
-                async for chunk in chunks(resp):
+                async for chunk in timed_chunks(resp, self.model.config.event_timeout, self.model.name):
                     await send.send(chunk)
             except APIError as exc:
                 await send.send(_Failed(exc))
@@ -263,8 +274,8 @@ class _UpstreamRun:
 
     async def _chunk(self, obj: dict[str, Any]) -> None:
         """One upstream chunk: its usage, then each of its choices' pieces."""
-        if isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
+        if isinstance(obj.get("usage"), dict):  # never billed unless it could be true
+            self.usage = checked_usage(obj["usage"], self.model.context_length, self.req.sampling.n)
         for ch in obj.get("choices") or []:
             if not isinstance(ch, dict) or not isinstance(ch.get("index", 0), int):
                 continue

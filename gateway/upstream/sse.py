@@ -6,26 +6,31 @@ ends it. Each event's data is one JSON object: a ``chat.completion.chunk`` or ``
 (OpenAI "The chat completion chunk object"). An ``application/json`` answer (an upstream that does not
 stream) is turned into one equivalent chunk: ``message`` becomes ``delta``, tool calls get their ``index``.
 
+``timed_chunks(resp, event_timeout, name)`` is ``chunks`` with a bound on the wait for each next chunk: SSE
+comments (``: ping``) and blank lines are no event, so an upstream that only pings is silent.
+
 ``finish_reason`` and ``tool_call_pieces`` read members of a chunk's choice as the gateway's types.
 
 Raises (while iterating): ``UpstreamError`` (502) when the upstream sends an error event (``{"error":
 ...}``), data that is not a JSON object, an event, a line or a JSON answer over 4 MiB (read no further:
 memory stays bounded whatever the upstream sends), goes silent past its read timeout, or breaks the
-connection.
+connection; ``UpstreamTimeout`` (504) from ``timed_chunks`` past ``event_timeout``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, get_args
 
 import httpx
 import msgspec
+import trio
 
 from gateway.generation.events import FinishReason
 from gateway.tools.parser import ToolCallDelta
-from gateway.upstream.errors import UpstreamError
+from gateway.upstream.errors import UpstreamError, UpstreamTimeout
 
 _MAX_EVENT_BYTES = (
     4 * 1024 * 1024
@@ -105,6 +110,25 @@ async def chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         raise UpstreamError("The upstream model server went silent past its read timeout.") from None
     except httpx.HTTPError:
         raise UpstreamError("The upstream model server broke off the answer.") from None
+
+
+async def timed_chunks(
+    resp: httpx.Response, event_timeout: float, name: str
+) -> AsyncIterator[dict[str, Any]]:
+    """``chunks(resp)``, each within ``event_timeout`` seconds of asking for it (only the wait on the upstream
+    counts, not the consumer's time between chunks). Raises ``UpstreamTimeout`` naming the model ``name``."""
+    async with aclosing(chunks(resp)) as events:
+        while True:
+            with trio.move_on_after(event_timeout) as waited:
+                chunk = await anext(events, None)
+            if waited.cancelled_caught:
+                raise UpstreamTimeout(
+                    f"The upstream model server of '{name}' sent no event for {event_timeout:g} s "
+                    "(comments do not count)."
+                )
+            if chunk is None:
+                return
+            yield chunk
 
 
 async def _lines(resp: httpx.Response) -> AsyncIterator[str]:

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import trio
 from plugins.postgres_server import create_database, restart_postgres, start_postgres, stop_postgres
 
@@ -74,6 +75,47 @@ async def test_rows_wait_for_flush_s_or_a_full_batch(tmp_path):
         await ledger.aclose()
     assert not list(tmp_path.glob("ledger-spool-*"))  # an empty spool is removed at a clean shutdown
     await store.aclose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_row_the_store_refuses_takes_no_other_row_with_it(tmp_path, caplog, kind):
+    """An upstream reporting 2^64 completion tokens: the insert overflows for that row alone (SQLite:
+    OverflowError in the driver; PostgreSQL: integer out of range). The batch it came in with (two other
+    tenants' rows) is written row by row: both are stored, the refused row is logged with its request id and
+    kept in the spool folder's reject file, and later batches are written."""
+    handle = None
+    if kind == "postgres":
+        handle, server = start_postgres(tmp_path / "pg")
+    try:
+        store = open_store(create_database(server) if handle else str(tmp_path / "g.db"))
+        await _refused_row_alone(store, tmp_path, caplog)
+    finally:
+        if handle is not None:
+            stop_postgres(handle)
+
+
+async def _refused_row_alone(store, tmp_path, caplog) -> None:
+    await store.open()
+    ledger = UsageLedger(store, batch=3, flush_s=0.05, spool_dir=str(tmp_path))
+    huge = usage("b", 1) | {"completion_tokens": 2**64, "total_tokens": 2**64 + 1}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ledger.run)
+        for row in (usage("a", 0), huge, usage("c", 2)):  # one batch of three
+            ledger.record(row)
+        await ledger.flush()
+        assert await stored(store, "a") == ["req-0"] and await stored(store, "c") == ["req-2"]
+        assert await stored(store, "b") == []
+        ledger.record(usage("a", 3))
+        await ledger.flush()
+        assert await stored(store, "a") == ["req-0", "req-3"]
+        await ledger.aclose()
+    await store.aclose()
+    [line] = (tmp_path / "ledger-rejected.jsonl").read_text().splitlines()
+    kept = json.loads(line)
+    assert kept["row"]["request_id"] == "req-1" and kept["row"]["completion_tokens"] == 2**64
+    assert "Overflow" in kept["reason"] or "out of range" in kept["reason"]
+    assert any("req-1" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+    assert not list(tmp_path.glob("ledger-spool-*"))  # nothing was an outage: nothing spooled
 
 
 async def test_postgres_stopped_during_traffic_loses_no_row(tmp_path):
