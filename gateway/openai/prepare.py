@@ -5,9 +5,15 @@ tokenizer, max_tokens against the context, sampling parameters).
 API); ``prepare_completion`` serves /v1/completions (a raw prompt, no chat template).
 
 Order of checks (each failure is an ``APIError`` raised before anything is sent): model (404) -> ranges
-(400, ``param`` named) -> prompt hooks (400 ``content_filter``) -> template + tokenize (400) -> context
-length (400 ``context_length_exceeded`` for a prompt that fills it, 400 ``invalid_value`` naming
-max_tokens for a limit that does not fit after the prompt; never clamped, docs/gateway.md).
+(400, ``param`` named) -> prompt hooks (400 ``content_filter``) -> the request counted against the
+tenant's rpm (429; ``Gateway.count_request``: whatever is refused after this still counts) -> the cheap
+context bound (400 ``context_length_exceeded`` for a prompt whose characters alone cannot fit:
+``check_fits``, before any rendering or tokenizing) -> template + tokenize (400; in a worker thread when
+``rendered_chars``, everything the template renders, tools and tool calls included, passes
+``http.thread_tokenize_chars``) -> context length (400 ``context_length_exceeded`` for a prompt that
+fills it, 400 ``invalid_value`` naming max_tokens for a limit that does not fit after the prompt; never
+clamped, docs/gateway.md). The reservation of tokens and the concurrency slot follows in the run
+(``gateway.generation.run``), which does not count the request a second time.
 
 Sources: OpenAI API reference, "Create chat completion" and "Create completion" (legacy); vLLM's extra
 sampling parameters.
@@ -15,6 +21,7 @@ sampling parameters.
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Literal
 
@@ -36,19 +43,82 @@ from templating.errors import TemplateError
 Api = Literal["openai", "ollama"]
 
 
-def prompt_chars(messages: list[dict]) -> int:
-    """Rough size of a message list in characters (decides inline vs threaded tokenization)."""
+#: Characters counted for each message, object and array of a request's rendered part (the template's
+#: role header and markers, a JSON key's quotes): many empty members are work too.
+NODE_CHARS = 16
+
+#: Names whose string values are never rendered as given (a content part's ``type``), or rendered by some
+#: templates only (earlier turns' reasoning): left out of ``prompt_floor``.
+_UNRENDERED = frozenset({"type", "reasoning_content", "thinking", "reasoning", "role"})
+
+
+def _string_chars(
+    values: list[object], *, node: int, keys: bool, skip: frozenset[str], stop_after: float
+) -> int:
+    """Characters of the strings in ``values`` (dict keys too when ``keys``; members named in ``skip`` left
+    out), plus ``node`` per object and array. Iterative (nesting depth costs no stack); returns as soon as
+    the count passes ``stop_after``."""
     n = 0
-    for m in messages:
-        n += 16  # per-message template text (role header, markers): many empty messages are work too
-        c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, str):
-            n += len(c)
-        elif isinstance(c, list):
-            for part in c:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    n += len(part["text"])
+    todo = list(values)
+    while todo and n <= stop_after:
+        x = todo.pop()
+        if isinstance(x, str):
+            n += len(x)
+        elif isinstance(x, dict):
+            n += node
+            for k, v in x.items():
+                if k not in skip:
+                    n += len(k) if keys and isinstance(k, str) else 0
+                    todo.append(v)
+        elif isinstance(x, (list, tuple)):
+            n += node
+            todo.extend(x)
     return n
+
+
+def rendered_chars(messages: object, tools: object = None, *, stop_after: int | None = None) -> int:
+    """Size of what the chat template renders, in characters: every string (keys and values) of
+    ``messages`` and ``tools``, plus ``NODE_CHARS`` per message, object and array (decides inline vs
+    threaded templating and tokenizing: a 3.9 MB tool description or 1 MB of tool-call arguments is as
+    much work as a long message).
+
+    ``stop_after``: return as soon as the count passes it (the caller only asks "more than this?", so the
+    walk on the event loop stays bounded by ``stop_after``, not by the request)."""
+    limit = math.inf if stop_after is None else stop_after
+    return _string_chars([messages, tools], node=NODE_CHARS, keys=True, skip=frozenset(), stop_after=limit)
+
+
+def prompt_floor(messages: object, tools: object = None) -> int:
+    """Characters of the request that every chat template renders as given: the string values of
+    ``messages`` and ``tools`` (contents, text parts, tool calls and their arguments, tool definitions),
+    keys and the members named in ``_UNRENDERED`` left out. A lower bound of the rendered text's length;
+    each token stands for at most ``TextTokenizer.max_token_bytes`` of its bytes (a character is one or
+    more), so the prompt has at least ``prompt_floor / max_token_bytes`` tokens (``check_fits``)."""
+    return _string_chars([messages, tools], node=0, keys=False, skip=_UNRENDERED, stop_after=math.inf)
+
+
+#: Safety factor of the cheap bound: a prompt is refused before it is rendered only when even half its
+#: characters could not fit (a normalizer that shortens text, a template that trims it).
+FLOOR_FACTOR = 2
+
+
+def check_fits(chars: int, max_token_bytes: int, context_length: int, *, param: str = "messages") -> None:
+    """Refuse, before rendering or tokenizing, a prompt of ``chars`` characters (a lower bound of what is
+    rendered: ``prompt_floor``, or a raw prompt's length) that cannot fit ``context_length`` tokens: it has
+    at least ``chars / (FLOOR_FACTOR * max_token_bytes)`` tokens. A prompt that passes is counted exactly
+    after tokenizing (``resolve_max_tokens``).
+
+    Raises:
+        ContextLengthExceeded: 400 ``context_length_exceeded`` naming ``param``.
+    """
+    least = chars // (FLOOR_FACTOR * max(1, max_token_bytes))
+    if least >= context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, your prompt has "
+            f"{chars} characters, at least {least} tokens, and leaves no room for a completion. Please "
+            "shorten the prompt.",
+            param=param,
+        )
 
 
 def resolve_max_tokens(
@@ -203,16 +273,20 @@ async def prepare_chat(
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
     cons = chat_constraints(served, req, messages, constraint)
-    try:
-        rendered = await gw.tokenize(
-            lambda: template.render(
-                cons.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                tools=cons.tools,
-            ),
-            prompt_chars(messages),
+    counted = await gw.count_request(principal, served.name)  # rpm first: a refusal below still counts
+
+    def render():  # in a worker thread when large (``Gateway.tokenize``)
+        check_fits(prompt_floor(cons.messages, cons.tools), tokenizer.max_token_bytes, context_length)
+        return template.render(
+            cons.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            tools=cons.tools,
         )
+
+    limit = gw.config.thread_tokenize_chars
+    try:
+        rendered = await gw.tokenize(render, rendered_chars(cons.messages, cons.tools, stop_after=limit))
     except TemplateError as exc:  # the conversation is the client's fault: 400 with the same members
         raise InvalidRequest(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
     ids = rendered.ids
@@ -231,6 +305,7 @@ async def prepare_chat(
         prompt_log=messages,
         t_arrival=t_arrival,
     )
+    gen.counted = counted
     gen.grammar, gen.grammar_param, gen.grammar_checks = cons.grammar, cons.grammar_param, cons.checks
     gen.tools, gen.tool_parser = cons.plan, cons.parser
     return gen
@@ -251,6 +326,7 @@ async def _completion_prompt(
     if isinstance(p, str):
         text = p
         tokenizer, _ = served.text()
+        check_fits(len(text), tokenizer.max_token_bytes, served.context_length, param="prompt")
         ids = await gw.tokenize(lambda: tokenizer.encode_prompt(text), len(text))
     elif p and all(isinstance(x, int) for x in p):
         ids = [int(x) for x in p]
@@ -301,6 +377,7 @@ async def prepare_completion(
     so = formats.from_structured_outputs(req.structured_outputs)
     if constraint is None and so is not None:
         constraint = (so, "structured_outputs")
+    counted = await gw.count_request(principal, served.name)  # rpm first: a refusal below still counts
     ids, prompt_log = await _completion_prompt(gw, served, req, principal)
     requested = 16 if req.max_tokens is None else req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, context_length, prompt_param="prompt")
@@ -318,6 +395,7 @@ async def prepare_completion(
         prompt_log=prompt_log,
         t_arrival=t_arrival,
     )
+    gen.counted = counted
     if constraint is not None:
         gen.grammar, gen.grammar_param = constraint
         gen.grammar_checks = [GrammarCheck(grammar=constraint[0], param=constraint[1])]
