@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.openai.prepare import check_fits, prompt_floor, rendered_chars
+from gateway.openai.prompt_size import check_fits, prompt_floor, rendered_chars
 from gateway.openai.schemas import decode_chat
 from gateway.request_body import MAX_DEPTH, decode_json, nesting_depth
 
