@@ -61,7 +61,7 @@ class Stream(threading.Thread):
         body = {
             "model": self.g.model,
             "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 120,
+            "max_tokens": 80,
             "ignore_eos": True,
             "stream": True,
         }
