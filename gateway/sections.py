@@ -52,6 +52,16 @@ class HTTPSettings(Section):
     send_timeout: Annotated[
         float, _opt("seconds a client may leave a response unread (then: dropped)", ge=0)
     ] = 60.0
+    keep_alive_timeout: Annotated[
+        float, _opt("seconds an idle kept-alive connection (or one sending its headers) stays open", gt=0)
+    ] = 30.0
+    max_connections: Annotated[
+        int, _opt("connections open at once (503 beyond; 0: the open-file limit less 128)", ge=0)
+    ] = 0
+    max_connections_per_client: Annotated[
+        int,
+        _opt("connections one client address may hold open (429 beyond; 0: no cap, behind a proxy)", ge=0),
+    ] = 256
     filter_budget: Annotated[float, _opt("seconds of content-filter matching per request stage", gt=0)] = 1.0
     cors_origins: Annotated[list[str], _opt("origins allowed by CORS ('*': any)")] = msgspec.field(
         default_factory=lambda: ["*"]

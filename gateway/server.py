@@ -16,13 +16,19 @@ Lifecycle:
    path, else the backend's ``ModelCard.model_path``; the ``ModelCatalog`` (gateway/catalog.py) is built.
    Tenancy (database, usage ledger) starts; the app is built (``gateway.app.build_app``: every route and the
    middleware order).
-3. HTTP: ``hypercorn.trio.serve`` on ``--host``/``--port``; a curl example is printed when ready.
+3. HTTP: ``hypercorn.trio.serve`` on ``--host``/``--port``; a curl example is printed when ready. Before
+   it, the soft open-file limit is raised to the hard one (logged) and connections are bounded
+   (``gateway.connections``: a closed idle connection is released at once, at most ``max_connections``
+   open, ``max_connections_per_client`` per client address, a refusal in the API's shape beyond; ``accept``
+   EMFILE logged once per 10 s); an idle kept-alive connection closes after ``keep_alive_timeout`` s.
 4. SIGINT/SIGTERM before HTTP serves (a backend loading, a restart backoff, the tokenizer): stop at once, every
    backend process SIGTERMed (SIGKILL after 3 s) and reaped, exit 0. After that: drain. The listener stays open
    and every new request (new connection or kept-alive) is answered 503 ``server_shutting_down``
    (``gateway.middleware.drain.DrainGate``; the probes and monitoring still answer), while in-flight requests
-   run on for up to ``--drain-timeout`` seconds; when the last one ends (or the time is up) hypercorn stops (1
-   s more grace, then the rest is cancelled), then backends get ``Shutdown`` (bounded wait, then SIGKILL). A
+   run on for up to ``--drain-timeout`` seconds; when the time is up, every request still running ends its
+   answer (a stream: an error event, 503 ``server_shutting_down``, and ``[DONE]``; ``DrainGate.cut``) within
+   ``CUT_GRACE_S``; when the last one ends hypercorn stops (1 s more grace, then the rest is cancelled),
+   then backends get ``Shutdown`` (bounded wait, then SIGKILL). A
    second signal exits at once, if it comes ``DUPLICATE_SIGNAL_S`` or more after the first: a signal sent to a
    process group reaches the gateway twice when a parent forwards it too (``make serve``, a shell), and that is
    one request to stop.
@@ -52,6 +58,7 @@ from gateway.backends.pool import BackendPool
 from gateway.backends.routing import routing_config
 from gateway.backends.supervisor import BackendStartError, BackendSupervisor, SpawnSpec
 from gateway.catalog import ModelCatalog
+from gateway.connections import ConnectionCaps, default_total, install, quiet_accept_errors, raise_nofile
 from gateway.filters import TenantFilters
 from gateway.launch import StartupError, _load_tokenizer, served_model
 from gateway.observability.access_log import configure_access_log
@@ -163,6 +170,7 @@ async def serve(settings: Settings) -> None:
         StartupError, BackendStartError (in an ExceptionGroup when raised after the nursery opened): the
             model, a backend or the tokenizer cannot be loaded.
     """
+    nofile = raise_nofile()  # first: the backends spawned inherit it
     model = settings.backend.model
     spawns = (
         not settings.backend.backend_url
@@ -239,13 +247,21 @@ async def serve(settings: Settings) -> None:
         )
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
-        hc.keep_alive_timeout = 75
+        hc.keep_alive_timeout = settings.http.keep_alive_timeout
+        total = settings.http.max_connections or default_total(nofile)
+        install(ConnectionCaps(total, settings.http.max_connections_per_client))
+        quiet_accept_errors()
         done = trio.Event()
 
         async def drained() -> None:  # hypercorn's shutdown trigger: signal, then in-flight requests done
             await shutdown.wait()
             with trio.move_on_after(settings.http.drain_timeout):
                 await app.drain.idle()
+            if app.drain.in_flight:  # the time is up: every open answer ends with an error, then stop
+                log.warning("drain timeout: ending %d requests still running", app.drain.in_flight)
+                app.drain.cut()
+                with trio.move_on_after(CUT_GRACE_S):
+                    await app.drain.idle()
 
         async def http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             try:
@@ -270,6 +286,7 @@ async def serve(settings: Settings) -> None:
         nursery.cancel_scope.cancel()
 
 
+CUT_GRACE_S = 2.0  # seconds the requests cut at the drain timeout get to end their answers
 DUPLICATE_SIGNAL_S = 1.0  # a second signal sooner than this after the first is the same request to stop
 
 

@@ -109,16 +109,35 @@ class Gateway:
             return None
         return await self.tenancy.principal(request.scope)
 
+    async def count_request(self, principal: Principal | None, model: str) -> dict[str, str] | None:
+        """Count the request against ``principal``'s rpm before any work proportional to its prompt
+        (``Tenants.count_request``): the rpm headers, to pass to :meth:`admission` as ``counted``; None
+        without tenancy. Raises ``RateLimited`` (429) or ``ServiceUnavailable`` (503)."""
+        if self.tenancy is None or principal is None:
+            return None
+        return await self.tenancy.count_request(principal, model)
+
     def admission(
-        self, principal: Principal | None, prompt_tokens: int, max_tokens: int, model: str
+        self,
+        principal: Principal | None,
+        prompt_tokens: int,
+        max_tokens: int,
+        model: str,
+        counted: dict[str, str] | None = None,
     ) -> Callable[[str], AbstractAsyncContextManager[Reservation]] | None:
         """``factory(request_id)`` -> the admission context (429 ``RateLimited``, 503 on enter; see
-        ``Tenants.admit``), or None without tenancy."""
+        ``Tenants.admit``), or None without tenancy. ``counted``: what :meth:`count_request` returned for a
+        request counted already (its rpm is not charged again)."""
         if self.tenancy is None or principal is None:
             return None
         tenants = self.tenancy
         return lambda rid: tenants.admit(
-            principal, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=rid
+            principal,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            model=model,
+            request_id=rid,
+            counted=counted,
         )
 
     def output_filter(self, principal: Principal | None) -> Callable[[], OutputFilter | None] | None:

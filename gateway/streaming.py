@@ -34,6 +34,7 @@ import trio
 
 from gateway.errors import APIError, InternalError
 from gateway.middleware.asgi import Message, Receive, Scope, Send
+from gateway.middleware.drain import CUT_KEY, shutting_down
 
 log = logging.getLogger("gateway")
 
@@ -44,6 +45,7 @@ SSE_HEADERS: list[tuple[bytes, bytes]] = [
 ]
 DONE = b"data: [DONE]\n\n"
 PING = b": ping\n\n"
+CUT_WRITE_S = 1.0  # seconds the error that ends a response cut by the drain timeout may take to send
 
 _json = msgspec.json.Encoder()
 
@@ -128,20 +130,32 @@ class ResponseWriter:
 
 class CallResponse:
     """ASGI response running ``produce(writer)``; cancelled when the client disconnects before the last
-    message of the response was handed to the server (``disconnected`` is then True).
+    message of the response was handed to the server (``disconnected`` is then True), or when the drain
+    timeout cuts the requests still running (the drain gate's event in ``scope[CUT_KEY]``; ``cut`` is
+    then True and the answer is ended with ``fail(writer, 503 server_shutting_down)``: an error event and
+    ``[DONE]`` by default, the API's own error when the producer gave ``fail``).
 
     ``produce`` must answer through the writer. An ``APIError`` escaping it is reported by
     ``writer.error``; any other exception becomes a 500 (or an error event mid-stream).
     """
 
-    def __init__(self, produce: Callable[[ResponseWriter], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        produce: Callable[[ResponseWriter], Awaitable[None]],
+        fail: Callable[[ResponseWriter, APIError], Awaitable[None]] | None = None,
+    ) -> None:
         self.produce = produce
+        self.fail = fail
         self.disconnected = False
+        self.cut = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = ResponseWriter(send)
+        cutting = scope.get(CUT_KEY)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch, receive, writer, nursery.cancel_scope)
+            if isinstance(cutting, trio.Event):
+                nursery.start_soon(self._watch_cut, cutting, nursery.cancel_scope)
             try:
                 await self.produce(writer)
             except APIError as exc:
@@ -151,10 +165,18 @@ class CallResponse:
                 await writer.error(InternalError("The server had an error while processing your request."))
             finally:
                 nursery.cancel_scope.cancel()
+        if self.cut and not writer.finished and not self.disconnected:
+            with trio.move_on_after(CUT_WRITE_S):  # a client that does not read cannot hold the stop
+                await (self.fail or ResponseWriter.error)(writer, shutting_down())
         if not writer.finished and not self.disconnected:
             # produce() returned without answering: close the response properly
             if writer.started:
                 await writer.done()
+
+    async def _watch_cut(self, cutting: trio.Event, scope: trio.CancelScope) -> None:
+        await cutting.wait()
+        self.cut = True
+        scope.cancel()
 
     async def _watch(self, receive: Receive, writer: ResponseWriter, scope: trio.CancelScope) -> None:
         while True:

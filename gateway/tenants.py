@@ -220,11 +220,13 @@ class Tenants:
         max_tokens: int,
         model: str | None = None,
         request_id: str | None = None,
+        counted: dict[str, str] | None = None,
     ) -> AsyncIterator[Reservation]:
         """``Admission.admit`` (see :mod:`ratelimit.admission`) raising :class:`~gateway.errors.RateLimited`
         (429) or :class:`~gateway.errors.ServiceUnavailable` (503: Redis, or the store for a daily quota's
         seed) on entry. ``model`` is the served name the request resolved to (canonical, not an alias): the
-        tenant's ``model_limits`` for it are taken besides its own and its key's limits, and it is billed."""
+        tenant's ``model_limits`` for it are taken besides its own and its key's limits, and it is billed.
+        ``counted``: the headers of :meth:`count_request` for a request counted already (no second rpm)."""
         try:
             async with self.admission.admit(
                 principal,
@@ -232,8 +234,19 @@ class Tenants:
                 max_tokens=max_tokens,
                 model=model,
                 request_id=request_id,
+                counted=counted,
             ) as res:
                 yield res
+        except (AdmissionError, StoreUnavailable) as e:
+            raise api_error(e) from None
+
+    async def count_request(self, principal: Principal, model: str | None = None) -> dict[str, str]:
+        """Charge the request to the rpm of ``principal`` (tenant, key, the tenant's for served name
+        ``model``) before its prompt is rendered (``Admission.count_request``): the ``x-ratelimit-*-requests``
+        headers, for :meth:`admit`'s ``counted``. Raises :class:`~gateway.errors.RateLimited` (429) or
+        :class:`~gateway.errors.ServiceUnavailable` (503, Redis did not answer)."""
+        try:
+            return await self.admission.count_request(principal, model=model)
         except (AdmissionError, StoreUnavailable) as e:
             raise api_error(e) from None
 

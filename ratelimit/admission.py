@@ -12,6 +12,16 @@ nothing (docs/tenancy.md "Limits and the algorithm")::
 
 On exit, however the block ends (normally, by an exception, by cancellation), the unused tokens go back, the
 slot is freed, and one ledger row is queued; with Redis that runs cancel-shielded and bounded.
+
+A caller that must refuse work it cannot afford before it knows the token counts (a prompt too large to
+render or tokenize) counts the request first, then reserves the rest::
+
+    counted = await admission.count_request(principal, model=name)   # rpm only: 429 when used up
+    ...                                                              # a refusal here still counted
+    async with admission.admit(principal, ..., counted=counted) as res:  # tokens and slot, no second rpm
+
+A request counted so and then refused (for its size, or by its tokens) keeps its rpm unit, as the OpenAI API
+counts unsuccessful requests against the per-minute limit.
 Entering raises :class:`~ratelimit.errors.RateLimitExceeded` (429) or
 :class:`~ratelimit.errors.LimiterUnavailable` (503, Redis did not answer; whatever it reserved is taken back).
 
@@ -250,6 +260,32 @@ class Admission:
                         e,
                     )
 
+    async def count_request(
+        self, subject: Subject, *, model: str | None = None, request_id: str | None = None
+    ) -> dict[str, str]:
+        """Charge one request to every requests-per-window bucket of ``subject`` (the tenant's, the key's,
+        the tenant's for ``model``), all or none, before the request's token counts are known. Returns the
+        ``x-ratelimit-*-requests`` headers after the charge (``{}`` when no rpm applies, or when the store
+        does not answer and ``fail_open`` admits); pass them to :meth:`admit` / :meth:`reserve` as
+        ``counted``, which then charges no second request. Never refunded.
+
+        Raises:
+            RateLimitExceeded: 429, an rpm used up; nothing charged.
+            LimiterUnavailable: 503, Redis did not answer; nothing charged.
+        """
+        now = time.time()
+        dims = [d for d in self.dims(subject, 0, now, model) if d.name == "requests"]
+        if not dims:
+            return {}
+        member = f"{request_id or 'r'}.{secrets.token_hex(8)}"
+        if isinstance(self.limiter, RedisLimiter):
+            results = await self._acquire_shared(self.limiter, dims, member)
+            return headers_for(results) if results is not None else {}
+        outcome = self.limiter.acquire_now(dims, member)
+        if not outcome.ok:
+            raise refusal(outcome.results)
+        return headers_for(outcome.results)
+
     async def reserve(
         self,
         subject: Subject,
@@ -258,10 +294,13 @@ class Admission:
         max_tokens: int,
         model: str | None = None,
         request_id: str | None = None,
+        counted: dict[str, str] | None = None,
     ) -> Reservation:
         """Check and reserve all limits at once. Prefer :meth:`admit`; a reservation from here must be
         settled with ``await admission.close(res, exc)``. ``model`` is the served name the request resolved to
         (canonical, not an alias): it selects ``subject.model_limits[model]`` and is billed in the ledger.
+        ``counted``: the headers of :meth:`count_request` when the request was counted already (its rpm
+        buckets are then left out here and its headers kept); None: the request is counted here.
 
         Raises:
             ValueError: a negative token count.
@@ -272,6 +311,8 @@ class Admission:
             raise ValueError("token counts must be >= 0")
         now = time.time()
         dims = self.dims(subject, prompt_tokens + max_tokens, now, model)
+        if counted is not None:
+            dims = [d for d in dims if d.name != "requests"]
         # unique even when clients reuse a request id (a concurrency slot is one member of a set)
         member = f"{request_id or 'r'}.{secrets.token_hex(8)}"
         results: list[DimResult] = []
@@ -290,7 +331,15 @@ class Admission:
                     raise refusal(outcome.results)
                 results = outcome.results
         return Reservation(
-            subject, dims, member, prompt_tokens, max_tokens, model, request_id, headers_for(results)
+            subject,
+            dims,
+            member,
+            prompt_tokens,
+            max_tokens,
+            model,
+            request_id,
+            {**(counted or {}), **headers_for(results)},
+            counted=counted,
         )
 
     async def close(self, res: Reservation, exc: BaseException | None = None) -> dict[str, str]:
@@ -320,7 +369,10 @@ class Admission:
             )
         except Exception:
             log.exception("admission: true-up failed for tenant %s", res.subject.tenant_id)
-        res.headers_after = headers_for([r for r in results if r.dim.kind == "bucket"])
+        res.headers_after = {
+            **(res.counted or {}),
+            **headers_for([r for r in results if r.dim.kind == "bucket"]),
+        }
         self._bill(res)
         return res.final_headers
 
@@ -333,12 +385,18 @@ class Admission:
         max_tokens: int,
         model: str | None = None,
         request_id: str | None = None,
+        counted: dict[str, str] | None = None,
     ) -> AsyncIterator[Reservation]:
         """``async with admission.admit(p, prompt_tokens=.., max_tokens=.., model=..) as res:`` (see the module
-        doc; ``model``: the resolved served name, canonical, not an alias). Raises on entry what :meth:`reserve`
-        raises; on exit settles the reservation (:meth:`close`)."""
+        doc; ``model``: the resolved served name, canonical, not an alias; ``counted``: as :meth:`reserve`).
+        Raises on entry what :meth:`reserve` raises; on exit settles the reservation (:meth:`close`)."""
         res = await self.reserve(
-            subject, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, request_id=request_id
+            subject,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            model=model,
+            request_id=request_id,
+            counted=counted,
         )
         try:
             yield res

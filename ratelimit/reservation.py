@@ -45,6 +45,8 @@ class Reservation:
             any, and a random suffix).
         status, finish_reason: the outcome billed (set by :meth:`finish`, else when settled: 499 ``abort``
             on cancellation, the error's status and ``error`` on an exception).
+        counted: the request was counted before admission (``Admission.count_request``): its rpm headers,
+            kept on the response; None: the reservation took the request's rpm unit itself.
     """
 
     subject: Subject
@@ -65,6 +67,7 @@ class Reservation:
     finished: bool = False
     closed: bool = False
     headers_after: dict[str, str] = field(default_factory=dict)
+    counted: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.reserved_tokens = self.prompt_tokens + self.max_tokens

@@ -359,7 +359,9 @@ class ChatTemplate:
                 (param ``continue_final_message``); continue_final_message with a final message that is not
                 the assistant's (``messages[i].role``); ``tools`` not a list of objects (param ``tools``); an
                 assistant message with null content (it has ``tool_calls``) that a template not rendering
-                ``tool_calls`` fails on (``messages[i].content``, code ``unsupported_value``).
+                ``tool_calls`` fails on (``messages[i].content``, code ``unsupported_value``); a value in
+                ``messages`` or ``tools`` nested too deeply to walk (Python's recursion limit; param
+                ``messages``).
             TemplateRejected: param ``messages``, code ``invalid_value``: the template called
                 ``raise_exception`` (message "The model's chat template raised: <its message>"), or failed on
                 this input (the message names the feature: an unknown filter, a value the conversation lacks,
@@ -376,8 +378,15 @@ class ChatTemplate:
             raise InvalidConversation("'tools' must be an array of objects.", param="tools")
 
         neut = _Neutralizer(self._specials)
-        tmsgs = neut.apply([_template_message(m) for m in msgs])
-        tools_n = neut.apply(tools) if tools is not None else None
+        try:
+            tmsgs = neut.apply([_template_message(m) for m in msgs])
+            tools_n = neut.apply(tools) if tools is not None else None
+        except RecursionError:  # a member nested hundreds deep (a tool call's arguments string included)
+            raise InvalidConversation(
+                "'messages' or 'tools' holds a value nested too deeply to render.",
+                param="messages",
+                code="invalid_value",
+            ) from None
 
         # HF's continue tag: a marker with a trailing space tells whether the template trimmed the content.
         marker = None

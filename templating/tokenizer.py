@@ -133,6 +133,9 @@ class TextTokenizer:
         lstrip_ids / rstrip_ids: added tokens that take the whitespace before / after them when they are
             matched in text (HF ``AddedToken.lstrip``/``rstrip``; llama.cpp gives Phi-3's specials RSTRIP).
             ``encode_with_specials`` applies them; a caller that splits at special tokens itself must too.
+        max_token_bytes: the most UTF-8 bytes one ordinary (non-special) token stands for: a text of ``b``
+            bytes is at least ``ceil(b / max_token_bytes)`` tokens (``encode_plain``), which bounds a prompt's
+            token count from its length before it is tokenized.
         stop_token_ids: ids that end generation: eos, ``end_ids``, and the special tokens among
             ``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``, ``<|end|>``, ``<end_of_turn>``... (llama.cpp's
             end-of-generation names).
@@ -158,12 +161,17 @@ class TextTokenizer:
     rstrip_ids: frozenset[int] = frozenset()
     special_ids: frozenset[int] = field(init=False)
     stop_token_ids: frozenset[int] = field(init=False)
+    max_token_bytes: int = field(init=False)
 
     def __repr__(self) -> str:
         return f"TextTokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_id}, specials={len(self.special_ids)})"
 
     def __post_init__(self) -> None:
         self.special_ids = frozenset(self.special_tokens)
+        specials = self.special_ids
+        self.max_token_bytes = max(
+            (len(b) for i, b in enumerate(self.id_to_bytes) if i not in specials), default=1
+        )
         stops = {i for i in (self.eos_token_id,) if i is not None} | set(self.end_ids)
         for name in _END_OF_TURN:
             i = self.token_to_id(name)

@@ -31,6 +31,9 @@ Fields:
         (``gateway.inspector``).
     upstream: the run of a model served elsewhere (kind ``openai``, ``gateway.upstream.entry``), None for a
         native model: ``run_generation`` hands it the sink.
+    counted: the ``x-ratelimit-*-requests`` headers of the request's rpm charge, made before its prompt was
+        rendered (``Gateway.count_request``); admission then reserves tokens and the slot only. None: no
+        tenancy, or not counted yet (admission counts it).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     tool_parser: Callable[[], ToolParser] | None = None
     inspect: bool = False
     upstream: Callable[[EventSink], Awaitable[None]] | None = None
+    counted: dict[str, str] | None = None
 
     @property
     def served_name(self) -> str:

@@ -49,8 +49,11 @@ def generation_response(
     ``RequestRecord``) is fed the same events, and so is an ``InspectObserver`` keeping the run's inspection
     record in ``inspections`` when the request asked for one (``req.inspect``)."""
 
+    renderers: list[Renderer] = []
+
     async def produce(w: ResponseWriter) -> None:
         renderer = render(w)
+        renderers.append(renderer)
         sinks: list[EventSink] = [renderer]
         if record is not None:
             sinks.append(RecordObserver(record, req))
@@ -66,4 +69,7 @@ def generation_response(
             log.exception("generation failed")
             await renderer.fail(InternalError("The server had an error while processing your request."))
 
-    return CallResponse(produce)
+    async def fail(w: ResponseWriter, exc: APIError) -> None:  # cut by the drain timeout: the API's error
+        await (renderers[0].fail(exc) if renderers else w.error(exc))
+
+    return CallResponse(produce, fail)

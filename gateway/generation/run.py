@@ -158,7 +158,11 @@ class _Run:
     def _admission(self) -> AbstractAsyncContextManager[Reservation | None]:
         req = self.req
         admit = self.gw.admission(
-            req.principal, len(req.prompt_ids), req.sampling.max_tokens * req.sampling.n, req.served_name
+            req.principal,
+            len(req.prompt_ids),
+            req.sampling.max_tokens * req.sampling.n,
+            req.served_name,
+            counted=req.counted,
         )
         return admit(req.request_id) if admit is not None else _no_admission()
 

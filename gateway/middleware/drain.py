@@ -7,6 +7,12 @@ probes and monitoring paths, with 503 ``server_shutting_down`` in OpenAI's error
 (which shows ``draining``) keep working. ``idle()`` returns once nothing admitted is in flight; the server
 awaits it when it begins to stop, so it first sets ``stopping``: the body guard
 (``gateway.middleware.body``) then stops draining refused bodies, and a request held by one ends at once.
+
+When the drain timeout passes with requests still in flight, the server calls ``cut()``: it sets the
+``cutting`` event every request's scope carries (``scope[CUT_KEY]``); each running generation response
+(``gateway.streaming.CallResponse``) then stops and ends its answer as its API ends one on an error: a
+stream with an error event (503 ``server_shutting_down``) and ``data: [DONE]`` (an NDJSON error line for
+Ollama), a response not begun yet with that error. Nothing is left cut off mid-stream.
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ class Drainable(Protocol):
     draining: bool
 
 
+#: The scope key holding the drain gate's ``cutting`` event (set when the drain timeout cuts what runs).
+CUT_KEY = "gateway.drain_cut"
+
+
+def shutting_down() -> ServiceUnavailable:
+    """The 503 ``server_shutting_down`` of a request the drain refuses or cuts."""
+    return ServiceUnavailable(
+        "The server is shutting down; retry the request.",
+        code="server_shutting_down",
+        headers={"retry-after": str(DrainGate.RETRY_AFTER_S), "connection": "close"},
+    )
+
+
 class DrainGate:
     """Pure ASGI middleware (see module docstring). ``app``: the wrapped app; ``pool``: its drain flag;
     ``stopping``: the event set when the server begins to stop (a new one without it)."""
@@ -38,8 +57,13 @@ class DrainGate:
         self.pool = pool
         self.stopping = stopping if stopping is not None else trio.Event()
         self.in_flight = 0
+        self.cutting = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
+
+    def cut(self) -> None:
+        """The drain timeout passed: every request still running ends its answer now (module docstring)."""
+        self.cutting.set()
 
     async def idle(self) -> None:
         """Set ``stopping``, then return once no admitted request is in flight (at once when none is)."""
@@ -54,6 +78,7 @@ class DrainGate:
         if self.pool.draining and scope.get("path") not in self.PROBES:
             await self._refuse(send, scope.get("path", ""))
             return
+        scope[CUT_KEY] = self.cutting
         self.in_flight += 1
         if self.in_flight == 1:
             self._idle = trio.Event()
@@ -65,9 +90,4 @@ class DrainGate:
                 self._idle.set()
 
     async def _refuse(self, send: Send, path: str) -> None:
-        err = ServiceUnavailable(
-            "The server is shutting down; retry the request.",
-            code="server_shutting_down",
-            headers={"retry-after": str(self.RETRY_AFTER_S), "connection": "close"},
-        )
-        await send_error(send, err, path)
+        await send_error(send, shutting_down(), path)

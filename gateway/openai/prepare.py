@@ -5,9 +5,15 @@ tokenizer, max_tokens against the context, sampling parameters).
 API); ``prepare_completion`` serves /v1/completions (a raw prompt, no chat template).
 
 Order of checks (each failure is an ``APIError`` raised before anything is sent): model (404) -> ranges
-(400, ``param`` named) -> prompt hooks (400 ``content_filter``) -> template + tokenize (400) -> context
-length (400 ``context_length_exceeded`` for a prompt that fills it, 400 ``invalid_value`` naming
-max_tokens for a limit that does not fit after the prompt; never clamped, docs/gateway.md).
+(400, ``param`` named) -> prompt hooks (400 ``content_filter``) -> the request counted against the
+tenant's rpm (429; ``Gateway.count_request``: whatever is refused after this still counts) -> the cheap
+context bound (400 ``context_length_exceeded`` for a prompt whose characters alone cannot fit:
+``check_fits``, before any rendering or tokenizing) -> template + tokenize (400; in a worker thread when
+``rendered_chars``, everything the template renders, tools and tool calls included, passes
+``http.thread_tokenize_chars``) -> context length (400 ``context_length_exceeded`` for a prompt that
+fills it, 400 ``invalid_value`` naming max_tokens for a limit that does not fit after the prompt; never
+clamped, docs/gateway.md). The reservation of tokens and the concurrency slot follows in the run
+(``gateway.generation.run``), which does not count the request a second time.
 
 Sources: OpenAI API reference, "Create chat completion" and "Create completion" (legacy); vLLM's extra
 sampling parameters.
@@ -24,6 +30,7 @@ from gateway.catalog import ServedModel
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.generation.request import GenerationRequest
 from gateway.openai.constraints import chat_constraints
+from gateway.openai.prompt_size import check_fits, prompt_floor, rendered_chars
 from gateway.openai.schemas import ChatRequest, CompletionRequest, SamplingFields
 from gateway.openai.validation import validate_chat, validate_completion
 from gateway.state import Gateway
@@ -34,21 +41,6 @@ from gateway.upstream.entry import upstream_chat, upstream_completion
 from templating.errors import TemplateError
 
 Api = Literal["openai", "ollama"]
-
-
-def prompt_chars(messages: list[dict]) -> int:
-    """Rough size of a message list in characters (decides inline vs threaded tokenization)."""
-    n = 0
-    for m in messages:
-        n += 16  # per-message template text (role header, markers): many empty messages are work too
-        c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, str):
-            n += len(c)
-        elif isinstance(c, list):
-            for part in c:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    n += len(part["text"])
-    return n
 
 
 def resolve_max_tokens(
@@ -203,16 +195,20 @@ async def prepare_chat(
     if gw.filters is not None:
         messages = await gw.filters.check_prompt(principal, messages)
     cons = chat_constraints(served, req, messages, constraint)
-    try:
-        rendered = await gw.tokenize(
-            lambda: template.render(
-                cons.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                tools=cons.tools,
-            ),
-            prompt_chars(messages),
+    counted = await gw.count_request(principal, served.name)  # rpm first: a refusal below still counts
+
+    def render():  # in a worker thread when large (``Gateway.tokenize``)
+        check_fits(prompt_floor(cons.messages, cons.tools), tokenizer.max_token_bytes, context_length)
+        return template.render(
+            cons.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            tools=cons.tools,
         )
+
+    limit = gw.config.thread_tokenize_chars
+    try:
+        rendered = await gw.tokenize(render, rendered_chars(cons.messages, cons.tools, stop_after=limit))
     except TemplateError as exc:  # the conversation is the client's fault: 400 with the same members
         raise InvalidRequest(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
     ids = rendered.ids
@@ -231,6 +227,7 @@ async def prepare_chat(
         prompt_log=messages,
         t_arrival=t_arrival,
     )
+    gen.counted = counted
     gen.grammar, gen.grammar_param, gen.grammar_checks = cons.grammar, cons.grammar_param, cons.checks
     gen.tools, gen.tool_parser = cons.plan, cons.parser
     return gen
@@ -251,6 +248,7 @@ async def _completion_prompt(
     if isinstance(p, str):
         text = p
         tokenizer, _ = served.text()
+        check_fits(len(text), tokenizer.max_token_bytes, served.context_length, param="prompt")
         ids = await gw.tokenize(lambda: tokenizer.encode_prompt(text), len(text))
     elif p and all(isinstance(x, int) for x in p):
         ids = [int(x) for x in p]
@@ -301,6 +299,7 @@ async def prepare_completion(
     so = formats.from_structured_outputs(req.structured_outputs)
     if constraint is None and so is not None:
         constraint = (so, "structured_outputs")
+    counted = await gw.count_request(principal, served.name)  # rpm first: a refusal below still counts
     ids, prompt_log = await _completion_prompt(gw, served, req, principal)
     requested = 16 if req.max_tokens is None else req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, context_length, prompt_param="prompt")
@@ -318,6 +317,7 @@ async def prepare_completion(
         prompt_log=prompt_log,
         t_arrival=t_arrival,
     )
+    gen.counted = counted
     if constraint is not None:
         gen.grammar, gen.grammar_param = constraint
         gen.grammar_checks = [GrammarCheck(grammar=constraint[0], param=constraint[1])]

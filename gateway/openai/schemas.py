@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import InvalidRequest
+from gateway.request_body import check_depth
 
 # ----------------------------------------------------------------------------- requests
 
@@ -120,7 +121,7 @@ _MISSING_RE = re.compile(r"missing required field `([^`]*)`")
 
 def _decode(body: bytes, typ: type) -> Any:
     try:
-        return msgspec.json.decode(body, type=typ)
+        value = msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as exc:
         msg = str(exc)
         m = _PATH_RE.search(msg)
@@ -153,6 +154,8 @@ def _decode(body: bytes, typ: type) -> Any:
         raise InvalidRequest(
             "We could not parse the JSON body of your request: nested too deeply.", code="invalid_json"
         ) from None
+    check_depth(body)  # 400 beyond MAX_DEPTH: the template and tool code walk values recursively
+    return value
 
 
 def decode_chat(body: bytes) -> ChatRequest:

@@ -18,6 +18,7 @@ admin API when tenancy is wired in, else a dummy), the served model name, and he
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,12 +153,27 @@ def _die_with_pytest() -> None:
         pass
 
 
+def _limit_files(nofile: int) -> Callable[[], None]:
+    """A ``preexec_fn``: ``_die_with_pytest``, and soft and hard ``RLIMIT_NOFILE`` set to ``nofile``."""
+
+    def preexec() -> None:
+        _die_with_pytest()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    return preexec
+
+
 def start_gateway(
-    *extra_args: str, heartbeat: float = 1.0, env: dict | None = None, dtype: str | None = "float32"
+    *extra_args: str,
+    heartbeat: float = 1.0,
+    env: dict | None = None,
+    dtype: str | None = "float32",
+    nofile: int | None = None,
 ) -> GatewayProc:
     """Start ``python -m gateway serve`` on a free port and wait until /readyz is 200.
 
-    ``dtype`` is passed as ``--dtype`` (``None``: no flag, the served default).
+    ``dtype`` is passed as ``--dtype`` (``None``: no flag, the served default). ``nofile``: the process's
+    open-file limit, soft and hard (so the gateway cannot raise it), else the test run's.
 
     Raises:
         RuntimeError: the process exited or did not become ready within STARTUP_TIMEOUT seconds.
@@ -191,7 +208,7 @@ def start_gateway(
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
         start_new_session=True,
-        preexec_fn=_die_with_pytest,
+        preexec_fn=_die_with_pytest if nofile is None else _limit_files(nofile),
     )
     gp = GatewayProc(proc=proc, port=port, admin_key=admin_key, log_path=log_path, tmpdir=tmp)
     deadline = time.monotonic() + STARTUP_TIMEOUT

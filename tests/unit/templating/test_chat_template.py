@@ -435,3 +435,14 @@ def test_hf_context_and_globals(tok):
     # outside a condition Jinja refuses an unknown filter when the template compiles (at start, not per request)
     with pytest.raises(jinja2.TemplateSyntaxError, match="from_json"):
         ChatTemplate(tok, "{{ messages | from_json }}")
+
+
+def test_value_nested_too_deep_to_walk_is_invalid_conversation(tmpl):
+    """A tool call's arguments string nested 700 deep (parsed into an object for the template) is a 400
+    (``InvalidConversation``, param ``messages``), never a RecursionError (a 500)."""
+    args = '{"a": ' + "[" * 700 + "]" * 700 + "}"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": [call]}]
+    with pytest.raises(InvalidConversation) as e:
+        tmpl.render(msgs)
+    assert e.value.param == "messages"
