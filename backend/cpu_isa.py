@@ -25,6 +25,7 @@ Source followed: the x86-64 micro-architecture levels (System V AMD64 psABI); Py
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -64,9 +65,10 @@ class IsaError(ValueError):
     """``LLM_GATEWAY_CPU_ISA`` names no known ISA, or one this CPU cannot run; the message names the setting."""
 
 
+@functools.cache
 def cpu_flags_line() -> str:
     """The first ``flags`` line of ``/proc/cpuinfo`` after its colon, stripped ("" where there is none, e.g.
-    not Linux)."""
+    not Linux); read once per process."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
 _lock = threading.Lock()
 _modules: dict[str, object | None] = {}  # per ISA ("" = generic): the module, or None when it failed
+_default: list[str] = []  # the selected ISA's key in _modules, once load() has resolved it
 
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 _GENERIC = ""  # the build for a CPU without AVX2 (or not x86): generic C++ bodies only
@@ -121,8 +122,9 @@ def load(isa_name: str | None = None):
     Raises:
         backend.cpu_isa.IsaError: ``isa_name`` (or the setting) names an ISA this CPU cannot run.
     """
-    name = isa() if isa_name is None else isa_name
-    name = name or _GENERIC
+    if isa_name is None and _default:  # the hot path: q4_gemm and paged_decode call load() per call
+        return _modules[_default[0]]
+    name = (isa() if isa_name is None else isa_name) or _GENERIC
     if name and name not in cpu_isa.supported():
         raise cpu_isa.IsaError(f"{cpu_isa.SETTING}={name}: this CPU cannot run it")
     if name in _modules:
@@ -130,6 +132,8 @@ def load(isa_name: str | None = None):
     with _lock:
         if name not in _modules:  # another thread may have built it while this one waited
             _modules[name] = _build(name) if enabled() else None
+        if isa_name is None and not _default:
+            _default.append(name)
     return _modules[name]
 
 

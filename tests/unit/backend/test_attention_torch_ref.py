@@ -283,6 +283,7 @@ def test_kernel_disabled_by_env_falls_back(monkeypatch) -> None:
 
     monkeypatch.setenv("LLM_GATEWAY_CPU_KERNEL", "0")
     monkeypatch.setattr(cpu_kernels, "_modules", {})
+    monkeypatch.setattr(cpu_kernels, "_default", [])
     assert cpu_kernels.load() is None
     attn = TorchAttention(cpu_kernel=True)
     assert attn._cpu_kernel is None
@@ -308,6 +309,7 @@ def test_load_waits_for_a_build_in_progress(monkeypatch) -> None:
     monkeypatch.setattr(cpu_kernels, "enabled", lambda: True)
     monkeypatch.setattr(cpu_kernels, "_build", slow_build)
     monkeypatch.setattr(cpu_kernels, "_modules", {})
+    monkeypatch.setattr(cpu_kernels, "_default", [])
     got = []
     first = threading.Thread(target=lambda: got.append(cpu_kernels.load()))
     first.start()
