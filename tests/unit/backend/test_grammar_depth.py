@@ -103,6 +103,7 @@ CRASH_INPUTS = {
     "lark-json-chain-1000": ("lark", "start: %json " + json.dumps(props_chain(1000))),
 }
 
+PROBED = ("properties-ref-chain-1000", "lark-chain-3000", "lark-json-chain-1000")  # each in a subprocess
 _PROBE = """
 import sys, threading
 from backend import grammar as G
@@ -140,6 +141,8 @@ def test_crash_inputs_are_refused_before_llguidance_compiles_them():
     for name, (kind, source) in CRASH_INPUTS.items():
         with pytest.raises(G.GrammarError, match="deep; at most 512"):
             G.to_llguidance(Grammar(kind=kind, source=source))
+        if name not in PROBED:
+            continue
         done = _probe(kind, source)
         assert done.returncode == 0 and done.stdout.startswith("refused:"), (
             name,
