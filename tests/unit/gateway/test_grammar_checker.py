@@ -85,6 +85,7 @@ async def test_a_worker_crash_fails_only_its_request(tk, monkeypatch):
     checker = _checker(tk, workers=2, timeout=30)
     errors: list[InvalidRequest] = []
     try:
+
         async def crash() -> None:
             try:
                 await checker.check(
