@@ -20,8 +20,12 @@ compiled is copied at once): the engine queues a constrained request only when i
 slow compile never stalls the step loop. The vocabulary (llguidance ``LLTokenizer``, ~0.2 s to build) is loaded on first use from the
 model's own tokenizer (``templating.load_tokenizer``), never from the gateway.
 
-Limits: ``MAX_GRAMMAR_BYTES`` of grammar text; llguidance's ``LLParserLimits`` bound the lexer and
-parser work per compile and per mask (a grammar over them errors instead of hanging).
+Limits: ``MAX_GRAMMAR_BYTES`` of grammar text; chains of references (``$ref`` of every kind, Lark rules)
+at most ``backend.grammar_depth.MAX_GRAMMAR_DEPTH`` deep (llguidance's compiler recurses along them with
+no bound of its own: a deeper one crashed the process), checked in ``to_llguidance`` before llguidance
+sees the text, and compiles run on a thread with ``COMPILE_STACK_BYTES`` of stack; llguidance's
+``LLParserLimits`` bound the lexer and parser work per compile and per mask (a grammar over them errors
+instead of hanging).
 
 Shapes: masks are int32 bitmasks ``[R, ceil(V / 32)]`` (bit ``t % 32`` of word ``t // 32`` set = token
 ``t`` allowed), unpacked to ``[R, V] bool``. Token ids are ints in ``[0, V)``.
@@ -45,12 +49,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 
+from backend.grammar_depth import COMPILE_STACK_BYTES, depth_problem, pointer
 from backend.protocol import Grammar, grammar_key
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_GRAMMAR_BYTES = 1024 * 1024  # bytes of Grammar.source the backend compiles at most
 CACHE_SIZE = 128  # compiled grammars kept (LRU by Grammar.key)
@@ -81,16 +88,21 @@ def parser_limits() -> object:
 
 
 def to_llguidance(grammar: Grammar) -> str:
-    """The llguidance grammar text (its JSON top-level form) of ``grammar``.
+    """The llguidance grammar text (its JSON top-level form) of ``grammar``: the one way grammars reach
+    llguidance here, so its guards hold for every caller (``backend.grammar_depth``: the chains llguidance
+    recurses along are at most ``MAX_GRAMMAR_DEPTH`` deep).
 
     Raises:
-        GrammarError: too large, or a JSON Schema that is not a JSON object.
+        GrammarError: too large, too deep, or a JSON Schema that is not a JSON object.
         GrammarUnavailable: no llguidance.
     """
     if llg is None:
         raise GrammarUnavailable("structured output needs the llguidance package")
     if len(grammar.source.encode()) > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
+    problem = depth_problem(grammar.kind, grammar.source)
+    if problem is not None:
+        raise GrammarError(problem)
     try:
         if grammar.kind == "json_schema":
             return llg.LLMatcher.grammar_from_json_schema(grammar.source)
@@ -187,22 +199,6 @@ def _short(message: str) -> str:
 # ----------------------------------------------------------------------------- JSON Schema refs
 
 
-def _pointer(root: Any, ref: str) -> Any:
-    """The node a local JSON pointer (``#/$defs/a``) names, or None."""
-    if not ref.startswith("#"):
-        return None
-    node = root
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 _ANNOTATIONS = frozenset(
     {"$ref", "title", "description", "$comment", "default", "examples", "$id", "$schema"}
 )
@@ -258,7 +254,7 @@ def ref_cycle(schema: Any, max_nodes: int = 200_000) -> list[str] | None:
                         return chain[chain.index(cur) :] + [cur]
                     chain.append(cur)
                     on_chain.add(cur)
-                    cur = _only_ref(_pointer(schema, cur))
+                    cur = _only_ref(pointer(schema, cur))
                 tail = left[cur] if cur is not None else 0
                 for k, link in enumerate(chain):
                     left[link] = tail + len(chain) - k
@@ -268,6 +264,24 @@ def ref_cycle(schema: Any, max_nodes: int = 200_000) -> list[str] | None:
         elif isinstance(node, list):
             stack.extend(node)
     return None
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def big_stack_executor(name: str) -> ThreadPoolExecutor:
+    """A one-thread executor whose thread has ``COMPILE_STACK_BYTES`` of stack (reserved address space;
+    pages are committed as they are used), whatever ``ulimit -s`` the process got: llguidance's compiler
+    recurses (``backend.grammar_depth``). ``threading.stack_size`` is process-wide, so it is set only
+    while that one thread starts."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    with _STACK_LOCK:
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            pool.submit(int).result()  # max_workers=1: this thread is the executor's only one
+        finally:
+            threading.stack_size(old)
+    return pool
 
 
 class GrammarCompiler:
@@ -295,7 +309,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # guards _cache and _tokenizer (worker threads only)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._cache_size = cache_size
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._pool = big_stack_executor("grammar-compile")
         self.compiled = 0  # compiles done (cache misses)
 
     def tokenizer(self) -> object:
@@ -393,6 +407,8 @@ def apply_masks(logits: torch.Tensor, masks: Masks) -> None:
     ``logits``: ``[B, V] float32`` CPU. Uses the C++ kernel (``backend.cpu_kernels``) when it is built and
     the bitmask is at hand (skips all-allowed words, no unpacking), else one ``masked_fill_`` per row.
     """
+    import torch
+
     from backend import cpu_kernels
 
     mod = cpu_kernels.load() if masks.bitmask is not None else None
@@ -448,6 +464,8 @@ class MaskJob:
         rows, bitmask, dt = job.result()
         if len(self.mask_time_s) < 100_000:
             self.mask_time_s.append(dt)
+        import torch
+
         # little-endian words: byte-wise unpacking with bitorder="little" keeps token order (10x torch shifts)
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
         some = (bitmask != 0).any(axis=1).tolist()
@@ -464,6 +482,7 @@ __all__ = [
     "MaskJob",
     "Masks",
     "apply_masks",
+    "big_stack_executor",
     "advance",
     "available",
     "check_grammar",

@@ -204,6 +204,11 @@ class ServedModel:
             )
         return self._grammars
 
+    async def close_grammars(self) -> None:
+        """Stop the grammar checker's idle worker processes, if it was made."""
+        if self._grammars is not None:
+            await self._grammars.aclose()
+
     def token_str(self, tid: int) -> str:
         """Printable text of one token of this model (its bytes decoded with U+FFFD for partial UTF-8),
         cached."""
@@ -322,7 +327,9 @@ class ModelCatalog:
 
     async def aclose(self) -> None:
         """Close every upstream model (``UpstreamModel.aclose``), one after another; backend pools are
-        stopped by the server (``BackendPool.stop``)."""
+        stopped by the server (``BackendPool.stop``); then each model's grammar check workers."""
         for m in self.models:
             if m.upstream is not None:
                 await m.upstream.aclose()
+        for m in self.models:
+            await m.close_grammars()

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import re2
 import trio
 
+from gateway.slots import KeySlots
+
 #: RE2's memory limit per compiled regex, in bytes (``re2.Options.max_mem``, RE2's own default): the
 #: compiled program gets about two thirds of it, the lazily built DFA the rest (past it RE2 falls back
 #: to its NFA: slower, still linear). A pattern set that does not fit is a ``ValueError`` (400).
@@ -110,72 +112,12 @@ def py_class(escape: str) -> str:
     return "".join(parts)
 
 
-class _Slots:
-    """The worker-thread limiter of one Trio run: MATCH_THREADS in all, one per tenant key.
-
-    It has the limiter interface ``trio.to_thread.run_sync`` takes. A thread keeps its tenant's slot until it
-    ends, also when its caller gave up on it (so a tenant has at most one match running, abandoned or not);
-    the shared slot goes back when the caller gives up (:meth:`_KeySlot.abandon`), so that a few tenants'
-    abandoned matches cannot leave every other tenant waiting for a thread.
-    """
-
-    def __init__(self) -> None:
-        self.total = trio.CapacityLimiter(MATCH_THREADS)
-        self.per_key: dict[object, trio.CapacityLimiter] = {}
-
-    def bind(self, key: object) -> _KeySlot:
-        return _KeySlot(self, key)
+_SLOTS: trio.lowlevel.RunVar[KeySlots] = trio.lowlevel.RunVar("filter_match_slots")
 
 
-class _KeySlot:
-    """One worker thread's hold on the slots: its key's own limiter (capacity 1), then the total."""
-
-    def __init__(self, slots: _Slots, key: object) -> None:
-        self.slots, self.key = slots, key
-        self.own: trio.CapacityLimiter | None = None
-        self.borrower: object = None  # holding the shared slot on its behalf, until released or abandoned
-
-    async def acquire_on_behalf_of(self, borrower: object) -> None:
-        own = self.own = self.slots.per_key.setdefault(self.key, trio.CapacityLimiter(1))
-        try:
-            await own.acquire_on_behalf_of(borrower)
-        except BaseException:
-            self._drop_if_idle()
-            raise
-        try:
-            await self.slots.total.acquire_on_behalf_of(borrower)
-        except BaseException:
-            own.release_on_behalf_of(borrower)
-            self._drop_if_idle()
-            raise
-        self.borrower = borrower
-
-    def abandon(self) -> None:
-        """The caller gave up on the thread: the shared slot goes back now, the tenant's when it ends."""
-        if self.borrower is not None:
-            self.slots.total.release_on_behalf_of(self.borrower)
-            self.borrower = None
-
-    def release_on_behalf_of(self, borrower: object) -> None:
-        assert self.own is not None
-        self.abandon()
-        self.own.release_on_behalf_of(borrower)
-        self._drop_if_idle()
-
-    def _drop_if_idle(self) -> None:
-        """Keep no entry for a key nobody holds or waits for (one per tenant ever seen otherwise)."""
-        own = self.own
-        if own is not None and own.borrowed_tokens == 0 and own.statistics().tasks_waiting == 0:
-            if self.slots.per_key.get(self.key) is own:
-                del self.slots.per_key[self.key]
-
-
-_SLOTS: trio.lowlevel.RunVar[_Slots] = trio.lowlevel.RunVar("filter_match_slots")
-
-
-def _slots() -> _Slots:
+def _slots() -> KeySlots:
     if (s := _SLOTS.get(None)) is None:
-        _SLOTS.set(s := _Slots())
+        _SLOTS.set(s := KeySlots(MATCH_THREADS))
     return s
 
 

@@ -224,7 +224,9 @@ class _Run:
     async def _generate(self, headers: dict[str, str]) -> None:
         req = self.req
         for check in req.grammar_checks:  # after admission: rate limits bound what a tenant can ask for
-            await self.model.grammars.check(check.grammar, check.param, schemas=check.schemas)
+            await self.model.grammars.check(
+                check.grammar, check.param, schemas=check.schemas, tenant=req.tenant_id
+            )
         pool = self.model.pool
         if pool is None:
             raise InternalError(f"The model {req.model!r} has no inference backend in this gateway.")

@@ -31,7 +31,12 @@ SHARED_ARGS = (
     *("--threads", "1", "--body-timeout", str(SHARED_BODY_TIMEOUT)),
     *("--send-timeout", str(SHARED_SEND_TIMEOUT)),
 )
-SHARED_ENV = {"LLM_GATEWAY_MAX_BACKLOG_TOKENS": str(SHARED_BACKLOG)}
+# a grammar holding SHARED_GRAMMAR_ABORT aborts the grammar check worker that checks it (test_grammar_crash.py)
+SHARED_GRAMMAR_ABORT = "grammar-worker-abort-fault-test"
+SHARED_ENV = {
+    "LLM_GATEWAY_MAX_BACKLOG_TOKENS": str(SHARED_BACKLOG),
+    "LLM_GATEWAY_TEST_GRAMMAR_ABORT": SHARED_GRAMMAR_ABORT,
+}
 
 
 def _start(*args: str, **kw) -> GatewayProc:
