@@ -35,7 +35,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from backend import cpu_isa
-from backend.model_path import default_dtype, default_model_path
+from backend.model_path import default_dtype, default_model_path, generated_int4
 from backend.proposer import (
     DRAFT_TOKENS_DENSE,
     DRAFT_TOKENS_INT4,
@@ -75,6 +75,14 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
             choices=["bfloat16", "float32", "float16"],
             help="compute + KV dtype (default: bfloat16, the fast mode, on CUDA and on CPUs with native bf16 "
             "(AVX512-BF16/AMX); float32, the exact mode, on other CPUs)",
+        ),
+        parser.add_argument(
+            "--weights",
+            default="auto",
+            choices=["auto", "int4", "dense"],
+            help="generated rows' weights on CPU: int4 (the row-invariant int4 x int8 kernel, the fast mode), dense "
+            "(with --dtype float32: the exact mode) or auto (default: int4 with a 4-bit GGUF where the CPU kernels "
+            "have it, AVX2 or AVX-512; dense elsewhere)",
         ),
         parser.add_argument(
             "--attention-backend",
@@ -254,6 +262,11 @@ def load_reason(model: str, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def log_warning(message: str) -> None:
+    """One warning line on stderr (the backend logs nothing else before it is ready)."""
+    print(f"python -m backend: warning: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the backend until Shutdown or a signal; the exit statuses are in the module docstring."""
     args = build_parser().parse_args(argv)
@@ -294,10 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if model is None:
             model = default_model_path()
+        dtype = args.dtype or default_dtype(args.device)
+        if dtype == "bfloat16" and args.device.startswith("cpu") and not cpu_isa.native_bf16():
+            log_warning("--dtype bfloat16 on a CPU without native bf16 (AVX512-BF16/AMX): emulated and slow")
         runner = ModelRunner(
             model,
             device=args.device,
-            dtype=args.dtype or default_dtype(args.device),
+            dtype=dtype,
+            generated_int4=generated_int4(args.weights, args.device),
             attention_backend=args.attention_backend,
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_memory,

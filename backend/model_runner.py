@@ -213,6 +213,7 @@ class ModelRunner:
         card.dtype = _DTYPE_NAMES[self.dtype]
         card.device = str(self.device)
         card.attention_backend = getattr(self.attn, "name", attention_backend)
+        card.weights = "int4" if self.generated_int4 else "dense"
         self.card = card
 
     # ------------------------------------------------------------------ inputs

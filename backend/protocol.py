@@ -227,6 +227,7 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     chat_template: str | None = None
     quantization: str | None = None  # e.g. "Q4_1" (of the file; weights are dequantized)
     dtype: str = "float32"  # compute dtype
+    weights: str = "dense"  # generated rows' weights: "int4" (the row-invariant int4 kernel) or "dense"
     device: str = "cpu"
     attention_backend: str = "torch"
     model_path: str = ""

@@ -413,7 +413,7 @@ class Server:
         print(
             f"backend ready: listening on {self.bound_address()} model={eng.card.name} "
             f"auth={'hmac' if self.link.secret else 'none'} "
-            f"device={eng.card.device} dtype={eng.card.dtype} kv_blocks={eng.block_manager.num_blocks} "
+            f"device={eng.card.device} dtype={eng.card.dtype} weights={eng.card.weights} kv_blocks={eng.block_manager.num_blocks} "
             f"block_size={eng.block_manager.block_size} pid={os.getpid()}",
             file=sys.stderr,
             flush=True,

@@ -199,7 +199,9 @@ def build_app(gw: Gateway) -> GatewayApp:
     app.state.gateway = gw
     app.router.redirect_slashes = False  # a 307 built from the Host header would be an open redirect
     hops = HopGuard(app)  # 508 for a request that came back here (gateway/middleware/hops.py)
-    observed = ObservabilityMiddleware(hops, gw.metrics, log_content=gw.settings.observability.log_content)
+    observed = ObservabilityMiddleware(
+        hops, gw.metrics, log_content=gw.settings.observability.log_content, routes=app.routes
+    )
     drain = DrainGate(observed, gw.catalog)
     guarded = BodyGuard(drain, timeout=gw.config.body_timeout, stopping=drain.stopping)
 

@@ -51,7 +51,7 @@ from hypercorn.trio import serve as hyper_serve
 from auth.errors import StoreUnavailable
 from backend import cpu_isa
 from backend.model_path import default_model_path
-from backend.protocol import Stats
+from backend.protocol import ModelCard, Stats
 from gateway.app import build_app
 from gateway.backends.address import link_credentials
 from gateway.backends.pool import BackendPool
@@ -118,12 +118,21 @@ def backend_pool(settings: Settings, model: str | None, served: ModelSettings | 
     return BackendPool(sups, wait_timeout=b.backend_wait, routing=routing_config(b))
 
 
+def _mode(card: ModelCard | None) -> str:
+    """A native model's serving mode for the banner: ``float32, int4 generated rows`` or ``float32, dense``."""
+    if card is None:
+        return "mode unknown"
+    return f"{card.dtype}, {'int4 generated rows' if card.weights == 'int4' else 'dense'} on {card.device}"
+
+
 def _banner(gw: Gateway, tenancy: Tenants, settings: Settings) -> str:
     base = f"http://{settings.http.host}:{settings.http.port}"
     name = gw.model_names()[0] if gw.model_names() else "model"
     key = tenancy.default_key
     served = ", ".join(
-        f"{m.name!r} ({', '.join(s.url for s in m.pool.supervisors)})" if m.pool else repr(m.name)
+        f"{m.name!r} ({_mode(m.card_or_none)}; {', '.join(s.url for s in m.pool.supervisors)})"
+        if m.pool
+        else repr(m.name)
         for m in gw.catalog
     )
     return (

@@ -27,7 +27,7 @@ from gateway.filters import OutputFilter, TenantFilters
 from gateway.observability.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.tenants import Tenants
-from ratelimit.reservation import Reservation
+from ratelimit.reservation import RequestCount, Reservation
 from templating import ChatTemplate, TextTokenizer
 
 T = TypeVar("T")
@@ -109,7 +109,7 @@ class Gateway:
             return None
         return await self.tenancy.principal(request.scope)
 
-    async def count_request(self, principal: Principal | None, model: str) -> dict[str, str] | None:
+    async def count_request(self, principal: Principal | None, model: str) -> RequestCount | None:
         """Count the request against ``principal``'s rpm before any work proportional to its prompt
         (``Tenants.count_request``): the rpm headers, to pass to :meth:`admission` as ``counted``; None
         without tenancy. Raises ``RateLimited`` (429) or ``ServiceUnavailable`` (503)."""
@@ -123,7 +123,7 @@ class Gateway:
         prompt_tokens: int,
         max_tokens: int,
         model: str,
-        counted: dict[str, str] | None = None,
+        counted: RequestCount | None = None,
     ) -> Callable[[str], AbstractAsyncContextManager[Reservation]] | None:
         """``factory(request_id)`` -> the admission context (429 ``RateLimited``, 503 on enter; see
         ``Tenants.admit``), or None without tenancy. ``counted``: what :meth:`count_request` returned for a

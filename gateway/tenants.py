@@ -37,7 +37,7 @@ from ratelimit.admission import Admission
 from ratelimit.errors import AdmissionError
 from ratelimit.local import LocalLimiter
 from ratelimit.redis_limiter import RedisLimiter
-from ratelimit.reservation import Reservation
+from ratelimit.reservation import RequestCount, Reservation
 
 DEFAULT_DB_PATH = "./data/gateway.db"
 
@@ -220,7 +220,7 @@ class Tenants:
         max_tokens: int,
         model: str | None = None,
         request_id: str | None = None,
-        counted: dict[str, str] | None = None,
+        counted: RequestCount | None = None,
     ) -> AsyncIterator[Reservation]:
         """``Admission.admit`` (see :mod:`ratelimit.admission`) raising :class:`~gateway.errors.RateLimited`
         (429) or :class:`~gateway.errors.ServiceUnavailable` (503: Redis, or the store for a daily quota's
@@ -240,7 +240,7 @@ class Tenants:
         except (AdmissionError, StoreUnavailable) as e:
             raise api_error(e) from None
 
-    async def count_request(self, principal: Principal, model: str | None = None) -> dict[str, str]:
+    async def count_request(self, principal: Principal, model: str | None = None) -> RequestCount:
         """Charge the request to the rpm of ``principal`` (tenant, key, the tenant's for served name
         ``model``) before its prompt is rendered (``Admission.count_request``): the ``x-ratelimit-*-requests``
         headers, for :meth:`admit`'s ``counted``. Raises :class:`~gateway.errors.RateLimited` (429) or

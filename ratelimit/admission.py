@@ -49,11 +49,11 @@ from typing import Protocol
 import trio
 
 from .core import Dim, DimResult, build_dims, headers_for
-from .errors import LimiterUnavailable, StoreError
+from .errors import LimiterUnavailable, RateLimitExceeded, StoreError
 from .local import LocalLimiter
 from .redis_limiter import RedisLimiter
 from .refusal import refusal
-from .reservation import Reservation, Subject
+from .reservation import RequestCount, Reservation, Subject
 
 log = logging.getLogger("ratelimit.admission")
 
@@ -262,12 +262,14 @@ class Admission:
 
     async def count_request(
         self, subject: Subject, *, model: str | None = None, request_id: str | None = None
-    ) -> dict[str, str]:
+    ) -> RequestCount:
         """Charge one request to every requests-per-window bucket of ``subject`` (the tenant's, the key's,
         the tenant's for ``model``), all or none, before the request's token counts are known. Returns the
-        ``x-ratelimit-*-requests`` headers after the charge (``{}`` when no rpm applies, or when the store
-        does not answer and ``fail_open`` admits); pass them to :meth:`admit` / :meth:`reserve` as
-        ``counted``, which then charges no second request. Never refunded.
+        charge (its ``x-ratelimit-*-requests`` headers: ``{}`` when no rpm applies, or when the store does
+        not answer and ``fail_open`` admits); pass it to :meth:`admit` / :meth:`reserve` as ``counted``,
+        which then charges no second request. Refunded only when admission then refuses the request (429 for
+        its tokens or its concurrency: a 429 never uses up a limit); a request refused for anything else
+        (its size, its grammar) keeps the charge.
 
         Raises:
             RateLimitExceeded: 429, an rpm used up; nothing charged.
@@ -276,15 +278,33 @@ class Admission:
         now = time.time()
         dims = [d for d in self.dims(subject, 0, now, model) if d.name == "requests"]
         if not dims:
-            return {}
+            return RequestCount({})
         member = f"{request_id or 'r'}.{secrets.token_hex(8)}"
         if isinstance(self.limiter, RedisLimiter):
             results = await self._acquire_shared(self.limiter, dims, member)
-            return headers_for(results) if results is not None else {}
+            if results is None:
+                return RequestCount({})
+            return RequestCount(headers_for(results), dims, member)
         outcome = self.limiter.acquire_now(dims, member)
         if not outcome.ok:
             raise refusal(outcome.results)
-        return headers_for(outcome.results)
+        return RequestCount(headers_for(outcome.results), dims, member)
+
+    async def _refund_count(self, counted: RequestCount) -> None:
+        """Give back a :meth:`count_request` charge (admission refused the request with a 429). In-process
+        with no checkpoint; with Redis shielded and bounded (a refund the store misses lapses with its
+        window)."""
+        if not counted.dims:
+            return
+        refunds = {d.key: d.cost for d in counted.dims}
+        if isinstance(self.limiter, LocalLimiter):
+            self.limiter.release_now(counted.dims, counted.member, refunds, report=False)
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(RELEASE_TIMEOUT_S):
+            try:
+                await self.limiter.release(counted.dims, counted.member, refunds)
+            except StoreError as e:
+                log.error("admission: could not refund a request count: %s (it lapses with its window)", e)
 
     async def reserve(
         self,
@@ -294,7 +314,7 @@ class Admission:
         max_tokens: int,
         model: str | None = None,
         request_id: str | None = None,
-        counted: dict[str, str] | None = None,
+        counted: RequestCount | None = None,
     ) -> Reservation:
         """Check and reserve all limits at once. Prefer :meth:`admit`; a reservation from here must be
         settled with ``await admission.close(res, exc)``. ``model`` is the served name the request resolved to
@@ -317,19 +337,24 @@ class Admission:
         member = f"{request_id or 'r'}.{secrets.token_hex(8)}"
         results: list[DimResult] = []
         if dims:
-            if any(d.kind == "daily" for d in dims):
-                await self._seed_daily(dims, self.day(now)[0])
-            if isinstance(self.limiter, RedisLimiter):
-                shared = await self._acquire_shared(self.limiter, dims, member)
-                if shared is None:  # fail-open: nothing reserved, nothing to true up
-                    dims = []
-                else:
-                    results = shared
-            else:  # no checkpoint between check and reserve: atomic under Trio
-                outcome = self.limiter.acquire_now(dims, member)
-                if not outcome.ok:
-                    raise refusal(outcome.results)
-                results = outcome.results
+            try:
+                if any(d.kind == "daily" for d in dims):
+                    await self._seed_daily(dims, self.day(now)[0])
+                if isinstance(self.limiter, RedisLimiter):
+                    shared = await self._acquire_shared(self.limiter, dims, member)
+                    if shared is None:  # fail-open: nothing reserved, nothing to true up
+                        dims = []
+                    else:
+                        results = shared
+                else:  # no checkpoint between check and reserve: atomic under Trio
+                    outcome = self.limiter.acquire_now(dims, member)
+                    if not outcome.ok:
+                        raise refusal(outcome.results)
+                    results = outcome.results
+            except RateLimitExceeded:
+                if counted is not None:  # a 429 uses up no limit: the request's rpm unit back
+                    await self._refund_count(counted)
+                raise
         return Reservation(
             subject,
             dims,
@@ -338,8 +363,8 @@ class Admission:
             max_tokens,
             model,
             request_id,
-            {**(counted or {}), **headers_for(results)},
-            counted=counted,
+            {**(counted.headers if counted else {}), **headers_for(results)},
+            counted=counted.headers if counted else None,
         )
 
     async def close(self, res: Reservation, exc: BaseException | None = None) -> dict[str, str]:
@@ -385,7 +410,7 @@ class Admission:
         max_tokens: int,
         model: str | None = None,
         request_id: str | None = None,
-        counted: dict[str, str] | None = None,
+        counted: RequestCount | None = None,
     ) -> AsyncIterator[Reservation]:
         """``async with admission.admit(p, prompt_tokens=.., max_tokens=.., model=..) as res:`` (see the module
         doc; ``model``: the resolved served name, canonical, not an alias; ``counted``: as :meth:`reserve`).

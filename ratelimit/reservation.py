@@ -35,6 +35,21 @@ class Subject(Protocol):
     def model_limits(self) -> Mapping[str, Limits]: ...
 
 
+@dataclass(frozen=True)
+class RequestCount:
+    """A request's rpm charge made before admission (``Admission.count_request``).
+
+    Attributes:
+        headers: the ``x-ratelimit-*-requests`` headers after the charge ({} when no rpm applies).
+        dims: the rpm dimensions charged (empty: none, or the store did not answer and fail-open admitted).
+        member: the charge's id in the limiter (what a refund names).
+    """
+
+    headers: dict[str, str]
+    dims: list[Dim] = field(default_factory=list)
+    member: str = ""
+
+
 @dataclass(eq=False)
 class Reservation:
     """An admitted request's reservation: ``prompt_tokens + max_tokens`` tokens, one request, one slot.

@@ -307,7 +307,8 @@ class Linear:
     default since the prepacked bf16 path measured as fast at 1 row and faster at 8).
 
     The quantized path (``_quantized``: the generated rows of ``RowRoles``, or ``int4_max_rows``), in bfloat16
-    on CPU with the C++ extension built with AVX-512 VNNI/BF16 (``cpu_kernels.q4_ready``): ``qg = (wq, ws,
+    (or float32 with ``float32_q4``, the float32 int4 mode) on CPU with the C++ extension's ``q4_gemm`` (AVX2
+    + FMA or AVX-512 VNNI: ``cpu_kernels.q4_ready``): ``qg = (wq, ws,
     bits)`` for ``cpu_kernels.q4_gemm``, the 4-bit groups repacked at load (``cpu_kernels.q4_pack``; bits 4) or,
     for the LM head, the per-row int8 copy ``w8`` (``cpu_kernels.q8_pack``; bits 8): ggml's Q4_1 x Q8_1 dot
     (llama.cpp; x quantized to int8 per 32 values, row by row), each output row's bits independent of the
@@ -342,6 +343,7 @@ class Linear:
         prepack: bool = True,
         int8_small: bool = False,
         bias: torch.Tensor | None = None,
+        float32_q4: bool = False,
     ):
         self.w = w.to(device=device, dtype=dtype).contiguous()
         self.n = w.shape[0]
@@ -349,7 +351,11 @@ class Linear:
         self.onednn = onednn_pack(self.w) if prepack else None
         self.tiles = row_tiles(self.onednn, w.shape[1], dtype, self.b) if self.onednn is not None else ()
         self.w8 = self.w8_scale = None
-        if int8_small and dtype in _Q_DTYPES and torch.device(device).type == "cpu":
+        # bfloat16 activations take the quantized weights wherever asked; float32 ones only in the float32
+        # int4 mode (``float32_q4``: ``generated_int4``), not for ``int4_max_rows``, whose float32 fallback
+        # (torch's int4pack) is exact
+        quant_dtype = dtype == torch.bfloat16 or (dtype == torch.float32 and float32_q4)
+        if int8_small and quant_dtype and torch.device(device).type == "cpu":
             # per-row symmetric int8 (for the LM head, whose GGUF type is not 4-bit): half the bytes of bf16
             wf = w.to(torch.float32)
             scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -357,7 +363,7 @@ class Linear:
             self.w8_scale = scale.to(dtype)
         self.qg = None  # (wq, ws, bits) for cpu_kernels.q4_gemm: the row-invariant Q4_1/Q8_1 VNNI matmul
         use_q4_gemm = int8_small or q4 is not None
-        if use_q4_gemm and dtype in _Q_DTYPES and torch.device(device).type == "cpu" and self.n % 16 == 0:
+        if use_q4_gemm and quant_dtype and torch.device(device).type == "cpu" and self.n % 16 == 0:
             if w.shape[1] % 32 == 0 and cpu_kernels.q4_ready():
                 if q4 is not None and q4[1].shape[1] * 32 == w.shape[1]:
                     self.qg = (*cpu_kernels.q4_pack(*q4), 4)
@@ -497,7 +503,14 @@ class LlamaModel:
             q = _cat_q4([q4.pop(n, None) for n in names]) if quantized else None
             b = torch.cat([t.pop(n[: -len("weight")] + "bias") for n in names], 0) if bias else None
             return Linear(
-                w, q, dtype=dtype, device=dev, int4_max_rows=self.int4_max_rows, prepack=prepack, bias=b
+                w,
+                q,
+                dtype=dtype,
+                device=dev,
+                int4_max_rows=self.int4_max_rows,
+                prepack=prepack,
+                bias=b,
+                float32_q4=self.generated_int4,
             )
 
         def vec(x: torch.Tensor) -> torch.Tensor:  # norm weights stay float32
@@ -540,6 +553,7 @@ class LlamaModel:
             prepack=prepack,
             int4_max_rows=self.int4_max_rows,
             int8_small=quantized,
+            float32_q4=self.generated_int4,
         )
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)
         self._cos = self._sin = None

@@ -80,6 +80,12 @@ class Backend(msgspec.Struct, kw_only=True):
     in_flight: Count
     restarts: Count
     last_error: str | None
+    mode: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="compute dtype and generated rows' weights, e.g. 'float32 int4'; null: not running"
+        ),
+    ] = None
     stats: BackendEngineStats | None = None  # null: not running, or no answer in time
 
 
@@ -153,6 +159,7 @@ def backend_object(
         in_flight=in_flight,
         restarts=s.restarts,
         last_error=s.last_error,
+        mode=f"{c.card.dtype} {c.card.weights}" if c is not None else None,
         stats=stats,
     )
 

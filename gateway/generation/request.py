@@ -31,7 +31,7 @@ Fields:
         (``gateway.inspector``).
     upstream: the run of a model served elsewhere (kind ``openai``, ``gateway.upstream.entry``), None for a
         native model: ``run_generation`` hands it the sink.
-    counted: the ``x-ratelimit-*-requests`` headers of the request's rpm charge, made before its prompt was
+    counted: the request's rpm charge (its ``x-ratelimit-*-requests`` headers), made before its prompt was
         rendered (``Gateway.count_request``); admission then reserves tokens and the slot only. None: no
         tenancy, or not counted yet (admission counts it).
 """
@@ -50,6 +50,7 @@ from gateway.generation.events import EventSink
 from gateway.structured.checker import GrammarCheck
 from gateway.tools.parser import ToolParser
 from gateway.tools.spec import ToolPlan
+from ratelimit.reservation import RequestCount
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
@@ -74,7 +75,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     tool_parser: Callable[[], ToolParser] | None = None
     inspect: bool = False
     upstream: Callable[[EventSink], Awaitable[None]] | None = None
-    counted: dict[str, str] | None = None
+    counted: RequestCount | None = None
 
     @property
     def served_name(self) -> str:

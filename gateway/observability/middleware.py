@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from auth.principal import Principal
 from gateway.middleware.asgi import ASGIApp, Message, Receive, Scope, Send
@@ -62,7 +62,10 @@ class ObservabilityMiddleware:
         metrics: a ``GatewayMetrics`` (or None for logging only).
         log_content: keep prompt/output text in the log (debug; off by default).
         known_paths: route paths used as the ``path`` label; others count as "other" (bounded label
-            cardinality). Defaults to the wrapped app's ``routes``, if any.
+            cardinality). Defaults to the paths of ``routes``.
+        routes: the route list whose paths count (read again for a path not known yet, so routes added
+            later count too); default: the wrapped app's ``routes``, if any (pass the Starlette app's when
+            other middleware sits between).
         skip_log_paths: paths not written to the access log (default ``/metrics`` and the health probes).
     """
 
@@ -73,13 +76,15 @@ class ObservabilityMiddleware:
         *,
         log_content: bool = False,
         known_paths: Iterable[str] | None = None,
+        routes: Sequence[object] | None = None,
         skip_log_paths: Iterable[str] = ("/metrics", "/health", "/healthz", "/readyz"),
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.log_content = log_content
+        self._routes = routes if routes is not None else getattr(app, "routes", None)
         if known_paths is None:
-            known_paths = [getattr(r, "path", None) for r in getattr(app, "routes", []) or []]
+            known_paths = [getattr(r, "path", None) for r in self._routes or []]
         self._known_paths = {p for p in known_paths if p}
         self.skip_log_paths = set(skip_log_paths)
 
@@ -87,7 +92,7 @@ class ObservabilityMiddleware:
         """``path`` if it is a known route, else ``"other"``."""
         if path in self._known_paths:
             return path
-        routes = getattr(self.app, "routes", None)  # routes added after wrapping count too
+        routes = self._routes  # routes added after wrapping count too
         if routes is not None and any(getattr(r, "path", None) == path for r in routes):
             self._known_paths.add(path)
             return path

@@ -94,6 +94,7 @@ def show(name: str, card: ModelCard, context_length: int, *, native: bool = True
             "gateway.device": card.device,
             "gateway.attention_backend": card.attention_backend,
             "gateway.dtype": card.dtype,
+            "gateway.weights": card.weights,
         }
     return {
         "modified_at": e["modified_at"],

@@ -34,6 +34,7 @@ def model_object(gw: Gateway, name: str, model: ServedModel) -> dict[str, Any]:
         "max_model_len": model.context_length,
         "quantization": card.quantization,
         "dtype": card.dtype,
+        "weights": card.weights,
         "device": card.device,
         "attention_backend": card.attention_backend,
         "architecture": card.architecture,

@@ -18,13 +18,16 @@ from templating import cached_tokenizer
 
 CHAT = "/v1/chat/completions"
 NEAR_TIE = 0.1  # reference top-2 logit gap under which bf16 rounding may pick the other token
+#: the same for float32 activations with int4 generated rows (int8 activations: logits ~0.4 off, at most
+#: ~0.8; tests/unit/backend/test_q4_gemm.py)
+NEAR_TIE_INT8 = 0.5
 
 
-def _reference_prefix(case: dict) -> list[int]:
+def _reference_prefix(case: dict, near_tie: float) -> list[int]:
     """The reference greedy ids before the first step whose top-2 gap is a near tie."""
     out = []
     for tok, gap in zip(case["greedy_ids"], case["greedy_top2_gap"]):
-        if gap < NEAR_TIE:
+        if gap < near_tie:
             break
         out.append(tok)
     return out
@@ -34,12 +37,14 @@ def _reference_prefix(case: dict) -> list[int]:
 def test_default_mode_follows_the_reference(make_gateway, chat_fixtures, model_path):
     gw = make_gateway(dtype=None)
     models = gw.openai().models.list().data
-    assert models[0].model_extra["dtype"] == default_dtype()
+    card = models[0].model_extra
+    assert card["dtype"] == default_dtype()
+    near_tie = NEAR_TIE_INT8 if (card["dtype"], card["weights"]) == ("float32", "int4") else NEAR_TIE
     tok = cached_tokenizer(model_path)
     baseline = gw.wait_idle()["kv_blocks_used"]
     checked = 0
     for case in chat_fixtures:
-        prefix = _reference_prefix(case)
+        prefix = _reference_prefix(case, near_tie)
         if len(prefix) < 8:
             continue  # a near tie within the first tokens leaves nothing worth comparing
         body = {

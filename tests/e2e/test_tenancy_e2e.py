@@ -205,6 +205,8 @@ def _start_backend(tmp_path, model_path):
             f"unix:{sock}",
             "--dtype",
             "float32",
+            "--weights",
+            "dense",
         ],
         cwd=str(Path(__file__).resolve().parents[2]),
         stdout=log,

@@ -5,8 +5,9 @@
 * ``make_gateway`` (function scope factory): a private gateway for tests that break it (crash test);
   stopped at the end of the test.
 
-Every gateway started here runs its backend with ``--dtype float32`` unless the caller passes another
-``dtype`` (``None``: the served default, ``backend.model_path.default_dtype()``): float32 is the exact mode, within 1e-3 of the
+Every gateway started here runs its backend with ``--dtype float32 --weights dense`` unless the caller passes
+another ``dtype`` (``None``: the served default mode, ``backend.model_path.default_dtype()`` with ``--weights
+auto``): float32 with dense weights is the exact mode, within 1e-3 of the
 reference logits and invariant to batching and prefix caching, which the tests that compare text, repeat
 a seed or run requests side by side rely on.
 
@@ -198,6 +199,7 @@ def start_gateway(
         "--sse-heartbeat",
         str(heartbeat),
         *(["--dtype", dtype] if dtype else []),
+        *(["--weights", "dense"] if dtype == "float32" else []),  # float32 + dense: the exact mode
         *extra_args,
     ]
     logf = open(log_path, "wb")

@@ -1,5 +1,6 @@
 """Batch invariance of the default CPU mode (``default_dtype()``: bfloat16 where the CPU multiplies bf16
-natively, float32 elsewhere) through the real ``Engine`` and the real model.
+natively, float32 elsewhere; generated rows through the int4 kernel, ``--weights auto``) through the real
+``Engine`` and the real model. ``LLM_GATEWAY_CPU_ISA=avx2`` runs it with the AVX2 kernels on any x86 CPU.
 
 Every fixture chat plus 8 more prompts (a shared 500-token prefix among them), each greedy and seeded at
 temperature 0.8, 24 new tokens (EOS ignored): the tokens must be identical
@@ -32,8 +33,9 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def runner(one_thread_runner):
-    """The default dtype on one thread (``one_thread_runner``, shared with ``test_speculative``)."""
-    return one_thread_runner(default_dtype())
+    """The served default mode on one thread (``one_thread_runner``, shared with ``test_speculative``): the
+    default dtype, generated rows through the row-invariant int4 kernel where the CPU kernels have it."""
+    return one_thread_runner(default_dtype(), "auto")
 
 
 @pytest.fixture(scope="module")

@@ -387,12 +387,12 @@ def _check_counters(engine: Engine) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", sorted({default_dtype(), "float32"}))
-def test_greedy_is_lossless_alone_and_in_a_batch(one_thread_runner, prompts, dtype):
-    """The default dtype: the 16 prompts; float32 where it is not the default (3x slower per token than
-    bf16 on a CPU with native bf16): the 10 repetition-heavy ones. ``NEW_TOKENS`` each."""
-    runner = one_thread_runner(dtype)
-    full = dtype == default_dtype()
+@pytest.mark.parametrize("mode", ["default", "exact"])
+def test_greedy_is_lossless_alone_and_in_a_batch(one_thread_runner, prompts, mode):
+    """The served default mode: the 16 prompts; the exact mode (float32, dense weights; 3-7x slower per token
+    than the default): the 10 repetition-heavy ones. ``NEW_TOKENS`` each."""
+    runner = one_thread_runner(default_dtype(), "auto") if mode == "default" else one_thread_runner("float32")
+    full = mode == "default"
     chosen = prompts if full else prompts[6:]
     n = NEW_TOKENS
     greedy = [SamplingParams(temperature=0.0, max_tokens=n)] * len(chosen)
@@ -414,7 +414,7 @@ def test_greedy_is_lossless_alone_and_in_a_batch(one_thread_runner, prompts, dty
 
 @pytest.mark.slow
 def test_seeded_sampling_is_lossless_with_drafts_accepted_and_rejected(one_thread_runner, prompts):
-    runner = one_thread_runner(default_dtype())
+    runner = one_thread_runner(default_dtype(), "auto")
     p = prompts[6]  # repeat a paragraph
     seeded = [SamplingParams(temperature=0.8, seed=s, max_tokens=16) for s in range(20)]  # 12: too few differ
     eng = Engine(runner, num_speculative_tokens=5, speculative_max_batch=32)

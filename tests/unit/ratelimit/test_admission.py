@@ -328,18 +328,26 @@ async def test_model_daily_quota_is_seeded_from_that_models_rows(books):
 async def test_counted_request_charges_rpm_once_and_keeps_it_when_refused_later(admission):
     """``count_request`` takes the rpm unit before the token counts are known (a prompt refused for its size
     after it still counted, as OpenAI counts unsuccessful requests); ``admit(counted=...)`` then reserves
-    tokens and the slot without a second rpm unit, and keeps the rpm headers on the response."""
+    tokens and the slot without a second rpm unit, and keeps the rpm headers on the response; a 429 of
+    admission itself (tokens, concurrency) gives the unit back."""
     p = principal(rpm=3, tpm=100, max_concurrent=1)
     counted = await admission.count_request(p)
-    assert counted["x-ratelimit-remaining-requests"] == "2"
+    assert counted.headers["x-ratelimit-remaining-requests"] == "2"
     async with admission.admit(p, prompt_tokens=10, max_tokens=10, counted=counted) as res:
         assert res.headers["x-ratelimit-remaining-requests"] == "2"  # not charged twice
         assert res.headers["x-ratelimit-remaining-tokens"] == "80"
+        busy = await admission.count_request(p)  # the slot is taken: admission refuses it, the unit back
+        assert busy.headers["x-ratelimit-remaining-requests"] == "1"
+        with pytest.raises(RateLimitExceeded) as e:
+            async with admission.admit(p, prompt_tokens=1, max_tokens=1, counted=busy):
+                pass
+        assert "concurrent" in e.value.message
         res.finish(completion_tokens=5)
     assert res.final_headers["x-ratelimit-remaining-requests"] == "2"
     await admission.count_request(p)  # counted, then refused before admission (a prompt too long)
-    assert (await admission.count_request(p))["x-ratelimit-remaining-requests"] == "0"
+    # 0 left, not refused: the unit of the request refused for concurrency came back
+    assert (await admission.count_request(p)).headers["x-ratelimit-remaining-requests"] == "0"
     with pytest.raises(RateLimitExceeded) as e:
         await admission.count_request(p)
     assert e.value.status == 429 and e.value.type == "requests"
-    assert await admission.count_request(principal(tpm=100)) == {}  # no rpm: nothing to count
+    assert (await admission.count_request(principal(tpm=100))).headers == {}  # no rpm: nothing to count
