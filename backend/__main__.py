@@ -73,8 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
             "--dtype",
             default=None,
             choices=["bfloat16", "float32", "float16"],
-            help="compute + KV dtype (default: bfloat16, the fast mode, on CUDA and on CPUs with native bf16 "
-            "(AVX512-BF16/AMX); float32, the exact mode, on other CPUs)",
+            help="compute + KV dtype (default: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), "
+            "float32 on other CPUs; with the default --weights auto both are the fast mode, and --dtype float32 "
+            "--weights dense is the exact mode)",
         ),
         parser.add_argument(
             "--weights",
