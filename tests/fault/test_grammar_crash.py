@@ -17,7 +17,9 @@ import time
 
 import httpx
 import pytest
-from conftest import SHARED_GRAMMAR_ABORT
+
+# conftest.SHARED_GRAMMAR_ABORT: a grammar holding it aborts the shared fault gateway's check worker
+SHARED_GRAMMAR_ABORT = "grammar-worker-abort-fault-test"
 
 STREAMS = 8
 MAX_TOKENS = 32
