@@ -35,7 +35,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from backend import cpu_isa
-from backend.model_path import default_dtype, default_model_path, generated_int4
+from backend.model_path import WEIGHTS, default_dtype, default_model_path, generated_int4, prompt_int4
 from backend.proposer import (
     DRAFT_TOKENS_DENSE,
     DRAFT_TOKENS_INT4,
@@ -80,10 +80,12 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         parser.add_argument(
             "--weights",
             default="auto",
-            choices=["auto", "int4", "dense"],
-            help="generated rows' weights on CPU: int4 (the row-invariant int4 x int8 kernel, the fast mode), dense "
-            "(with --dtype float32: the exact mode) or auto (default: int4 with a 4-bit GGUF where the CPU kernels "
-            "have it, AVX2 or AVX-512; dense elsewhere)",
+            choices=list(WEIGHTS),
+            help="weight formats on CPU: int4 (every row through the row-invariant int4 x int8 kernel, no dense "
+            "copy), mixed (generated rows int4, prompt rows dense), dense (with --dtype float32: the exact mode) or "
+            "auto (default: with a 4-bit GGUF where the CPU kernels have the int4 kernel, AVX2 or AVX-512, "
+            "generated rows int4 and prompt rows through whichever of int4 and dense measures faster at load; "
+            "dense elsewhere)",
         ),
         parser.add_argument(
             "--attention-backend",
@@ -316,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             dtype=dtype,
             generated_int4=generated_int4(args.weights, args.device),
+            prompt_int4=prompt_int4(args.weights),
             attention_backend=args.attention_backend,
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_memory,

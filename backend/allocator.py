@@ -21,7 +21,7 @@ cores (52-64 vs 116-131 tok/s); the governor (one thread while the stepping thre
 all cores otherwise) kept bf16 at 116-130 tok/s on free cores and 43-47 beside the two busy loops.
 ``openmp_wait_policy`` sets ``OMP_WAIT_POLICY`` from ``--omp-wait-policy`` before torch loads.
 
-Source followed: ``mallopt(3)`` (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD); the GNU libgomp manual
+Source followed: ``mallopt(3)`` (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD), ``malloc_trim(3)``; the GNU libgomp manual
 (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``).
 """
 
@@ -59,6 +59,19 @@ def openmp_wait_policy(environ: MutableMapping[str, str], policy: str | None = N
     return environ.get("OMP_WAIT_POLICY")
 
 
+def _glibc(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """glibc's function ``name`` with its C signature (``int`` result), or None off Linux or without it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def tune_glibc_malloc() -> bool:
     """Apply the settings above once per process; returns True if glibc accepted them.
 
@@ -67,15 +80,9 @@ def tune_glibc_malloc() -> bool:
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux"):
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     ok = all(
         mallopt(opt, val) == 1
         for opt, val in (
@@ -86,6 +93,15 @@ def tune_glibc_malloc() -> bool:
     )
     _done = ok
     return ok
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the kernel (``malloc_trim(3)`` with pad 0: the top of the heap and,
+    through ``madvise(MADV_DONTNEED)``, free chunks inside it), once a model load has freed its float32
+    staging copies, which the trim threshold above would otherwise keep resident. Returns whether memory
+    was released; False off glibc; never raises."""
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    return trim is not None and trim(0) == 1
 
 
 def main_thread_run_delay() -> float | None:

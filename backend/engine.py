@@ -186,7 +186,7 @@ class Engine:
             num_kv_blocks or runner.num_kv_blocks,
             runner.block_size,
             enable_prefix_caching,
-            cache_generated=not getattr(runner, "generated_int4", False),
+            cache_generated=not getattr(runner, "roles_differ", False),
         )
         # Served context (vLLM's max_model_len): never more than the KV pool can hold for one sequence,
         # so a request without max_tokens ("up to the context's end") always fits the pool.

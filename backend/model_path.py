@@ -36,20 +36,34 @@ def default_dtype(device: str = "cpu") -> str:
     return FAST_DTYPE if cpu_isa.native_bf16() else EXACT_DTYPE
 
 
+#: ``--weights`` values: ``auto`` (the served default), ``int4`` (every row through the row-invariant int4
+#: kernel, no dense copy of the weights), ``mixed`` (generated rows int4, prompt rows dense), ``dense``
+WEIGHTS = ("auto", "int4", "mixed", "dense")
+
+
 def generated_int4(weights: str, device: str) -> bool | None:
-    """``--weights`` as ``ModelRunner(generated_int4=...)``: ``int4`` True, ``dense`` False, ``auto`` (the
-    served default) True on a CPU whose kernels have ``q4_gemm`` (``backend.cpu_kernels.q4_ready``: AVX2 or
-    AVX-512; the model then takes it with a 4-bit GGUF in bfloat16 or float32), else None (the runner's
-    default). So on every x86 CPU the default mode gives generated rows the row-invariant int4 kernel:
-    bfloat16 activations where bf16 is native, float32 elsewhere; ``--dtype float32 --weights dense`` is the
-    exact mode."""
+    """``--weights`` as ``ModelRunner(generated_int4=...)``: ``int4`` and ``mixed`` True, ``dense`` False,
+    ``auto`` (the served default) True on a CPU whose kernels have ``q4_gemm`` (``backend.cpu_kernels.q4_ready``:
+    AVX2 or AVX-512; the model then takes it with a 4-bit GGUF in bfloat16 or float32), else None (the
+    runner's default). So on every x86 CPU the default mode gives generated rows the row-invariant int4
+    kernel: bfloat16 activations where bf16 is native, float32 elsewhere; ``--dtype float32 --weights
+    dense`` is the exact mode."""
     if weights != "auto":
-        return weights == "int4"
+        return weights in ("int4", "mixed")
     if not device.startswith("cpu"):
         return None
     from backend import cpu_kernels  # imports torch: only once the caller is past its start-up checks
 
     return True if cpu_kernels.q4_ready() else None
+
+
+def prompt_int4(weights: str) -> bool | None:
+    """``--weights`` as ``ModelRunner(prompt_int4=...)``: ``int4`` True, ``mixed`` and ``dense`` False,
+    ``auto`` None (prompt rows take whichever of the dense and the int4 path measures faster at load,
+    ``backend.models.llama.q4_prompt_rows``)."""
+    if weights == "auto":
+        return None
+    return weights == "int4"
 
 
 def default_model_path() -> str:

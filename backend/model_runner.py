@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from backend import cpu_kernels
-from backend.allocator import tune_glibc_malloc
+from backend.allocator import release_free_heap, tune_glibc_malloc
 from backend.attention.base import AttentionBackend, AttentionMetadata
 from backend.batch import SeqChunk
 from backend.loaders.memory import MemoryBudget
@@ -115,6 +115,10 @@ class ModelRunner:
             rows); ``True`` also turns it on in float32 (float32 activations through the same kernel). Measured,
             whole decode step, 1 thread, Xeon with AMX: 1/8/32 sequences 11.8/19.1/45.2 ms vs dense
             30.9/34.3/53.1 ms (docs/perf.md, "Batch invariance").
+        prompt_int4: with ``generated_int4``, prompt rows take the int4 kernel too and no dense copy of the
+            weights is kept (the all-int4 mode; generated blocks become prefix-cacheable again); ``None``:
+            whichever prompt-row path measures faster at load (``backend.models.llama.q4_prompt_rows``);
+            False: prompt rows dense.
         num_threads: ``torch.set_num_threads`` for this process (``None``: leave torch's default, one per
             core). On a CPU shared with other busy processes, 1 thread was ~3x faster than 2 (OpenMP
             barriers stall when a thread is descheduled); on an idle machine all cores are faster.
@@ -144,6 +148,7 @@ class ModelRunner:
         num_threads: int | None = None,
         memory_budget: int | None = None,
         generated_int4: bool | None = None,
+        prompt_int4: bool | None = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -178,11 +183,17 @@ class ModelRunner:
             dtype=self.dtype,
             int4_max_rows=int4_max_rows,
             generated_int4=generated_int4,
+            prompt_int4=prompt_int4,
         )
-        #: generated tokens take another weight format than prompt tokens (see ``RowRoles``)
         self.generated_int4 = self.model.generated_int4
+        self.prompt_int4 = self.model.prompt_int4
+        #: generated tokens take another weight format than prompt tokens (see ``RowRoles``): their blocks
+        #: then hold other K/V than a prompt of the same tokens would, so they are not prefix-cached
+        self.roles_differ = self.generated_int4 and not self.prompt_int4
         self._roles: tuple[RowRoles | None, RowRoles | None] = (None, None)
         del weights
+        if self.device.type == "cpu":
+            release_free_heap()  # the load's float32 staging copies (and dropped dense packs) are freed
         self.attn = make_attention_backend(attention_backend, self.dtype, self.device)
         cfg = self.config
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -213,7 +224,7 @@ class ModelRunner:
         card.dtype = _DTYPE_NAMES[self.dtype]
         card.device = str(self.device)
         card.attention_backend = getattr(self.attn, "name", attention_backend)
-        card.weights = "int4" if self.generated_int4 else "dense"
+        card.weights = "int4" if self.prompt_int4 else "mixed" if self.generated_int4 else "dense"
         self.card = card
 
     # ------------------------------------------------------------------ inputs
@@ -276,7 +287,7 @@ class ModelRunner:
             qlens.append(n)
             nl = min(max(1, c.num_logits), n) if c.need_logits else 0
             rows.extend(range(qsl[-1] - nl, qsl[-1]))
-            if self.generated_int4:
+            if self.roles_differ:
                 p_len = end if c.prompt_len is None else c.prompt_len
                 gen.extend(p >= p_len for p in range(s, end))
                 gen_logit.extend(p >= p_len for p in range(end - nl, end))
@@ -307,7 +318,7 @@ class ModelRunner:
             query_lens_cpu=qlens,
         )
         rows_t = torch.tensor(rows, dtype=torch.int64, **pin) if rows else None
-        if self.generated_int4:  # read by execute (the tuple prepare returns keeps its shape)
+        if self.roles_differ:  # read by execute (the tuple prepare returns keeps its shape)
             self._roles = (RowRoles.of(gen, dev), RowRoles.of(gen_logit, dev))
         return tok_t, pos_t, meta, rows_t, max(positions) if positions else 0
 

@@ -227,7 +227,9 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     chat_template: str | None = None
     quantization: str | None = None  # e.g. "Q4_1" (of the file; weights are dequantized)
     dtype: str = "float32"  # compute dtype
-    weights: str = "dense"  # generated rows' weights: "int4" (the row-invariant int4 kernel) or "dense"
+    #: "int4" (every row through the row-invariant int4 kernel, no dense copy), "mixed" (generated rows int4,
+    #: prompt rows dense) or "dense"
+    weights: str = "dense"
     device: str = "cpu"
     attention_backend: str = "torch"
     model_path: str = ""

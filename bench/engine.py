@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from backend.engine import Engine  # noqa: E402
-from backend.model_path import default_dtype, default_model_path, generated_int4  # noqa: E402
+from backend.model_path import WEIGHTS, default_dtype, default_model_path, generated_int4, prompt_int4  # noqa: E402
 from backend.model_runner import ModelRunner  # noqa: E402
 from backend.proposer import (  # noqa: E402
     DRAFT_TOKENS_DENSE,
@@ -600,9 +600,7 @@ def main() -> int:
         help="default: the backend's for --device",
     )
     ap.add_argument("--attention-backend", default="torch")
-    ap.add_argument(
-        "--weights", default="auto", choices=["auto", "int4", "dense"], help="as the backend's --weights"
-    )
+    ap.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="as the backend's --weights")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -672,6 +670,7 @@ def main() -> int:
         block_size=bs,
         num_kv_blocks=blocks,
         generated_int4=generated_int4(args.weights, args.device),
+        prompt_int4=prompt_int4(args.weights),
     )
     load_s = time.perf_counter() - t0
     if args.speculative:

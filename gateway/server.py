@@ -122,7 +122,8 @@ def _mode(card: ModelCard | None) -> str:
     """A native model's serving mode for the banner: ``float32, int4 generated rows`` or ``float32, dense``."""
     if card is None:
         return "mode unknown"
-    return f"{card.dtype}, {'int4 generated rows' if card.weights == 'int4' else 'dense'} on {card.device}"
+    weights = {"int4": "int4 rows", "mixed": "int4 generated rows"}.get(card.weights, "dense")
+    return f"{card.dtype}, {weights} on {card.device}"
 
 
 def _banner(gw: Gateway, tenancy: Tenants, settings: Settings) -> str:

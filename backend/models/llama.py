@@ -327,6 +327,7 @@ class Linear:
         "sz",
         "group",
         "int4_max_rows",
+        "k",
         "w8",
         "w8_scale",
         "qg",
@@ -346,7 +347,7 @@ class Linear:
         float32_q4: bool = False,
     ):
         self.w = w.to(device=device, dtype=dtype).contiguous()
-        self.n = w.shape[0]
+        self.n, self.k = w.shape
         self.b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         self.onednn = onednn_pack(self.w) if prepack else None
         self.tiles = row_tiles(self.onednn, w.shape[1], dtype, self.b) if self.onednn is not None else ()
@@ -383,11 +384,28 @@ class Linear:
             )
             self.sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
 
+    @property
+    def dense(self) -> bool:
+        """Whether dense weights are kept (False after ``drop_dense``: every row takes ``_quantized``)."""
+        return self.onednn is not None or self.w is not None
+
+    def drop_dense(self) -> bool:
+        """Free the dense weights when the row-invariant ``q4_gemm`` weights (``qg``) can serve every row
+        (prompt rows included: the all-int4 mode); returns whether they were dropped."""
+        if self.qg is None:
+            return False
+        self.onednn = self.w = None
+        self.tiles = ()
+        return True
+
     def __call__(self, x: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
         """``x [M, K]`` (compute dtype) -> ``[M, N]`` (compute dtype), plus the bias ``b [N]`` if any.
 
         ``roles``: the generated rows take the packed int4 (or int8) weights when this layer has them,
-        the others the dense ones (see ``RowRoles``); None: every row is a prompt row."""
+        the others the dense ones (see ``RowRoles``); None: every row is a prompt row. Without dense
+        weights (``drop_dense``) every row takes the quantized ones."""
+        if self.onednn is None and self.w is None:
+            return self._quantized(x)
         quant = self.packed is not None or self.w8 is not None or self.qg is not None
         if roles is not None and quant:
             if roles.prompt is None:
@@ -429,6 +447,51 @@ class Linear:
         return torch.mm(x, self.w.t()) if self.b is None else torch.addmm(self.b, x, self.w.t())
 
 
+#: rows of the synthetic prompt chunk ``q4_prompt_rows`` times (a typical chunked-prefill piece)
+PROMPT_PROBE_ROWS = 256
+
+
+@torch.inference_mode()
+def q4_prompt_rows(lins: list[Linear], dtype: torch.dtype) -> bool:
+    """Whether prompt rows are faster through ``q4_gemm`` than through the dense oneDNN matmuls on this
+    machine: one layer's ``lins`` (both paths built, compute ``dtype``) on ``PROMPT_PROBE_ROWS`` random rows, each path's best
+    of 3 calls after a warm-up, summed over the layer. Kept on disk (``backend.probe_cache``, keyed by the
+    ISA of the kernels, the thread count and the shapes) so every later process makes the same choice.
+
+    Measured on the 2-core EPYC VM (AVX2), one SmolLM2 layer at 512 rows, 1 thread: dense float32 59 ms,
+    ``q4_gemm`` 42 ms (docs/perf.md). Returns False when a layer lacks either path."""
+    if not lins or any(lin.qg is None or not lin.dense for lin in lins):
+        return False
+    from backend import cpu_isa  # noqa: PLC0415  (cached CPU flags; no torch state)
+
+    threads = torch.get_num_threads()
+    shapes = tuple((lin.n, lin.k) for lin in lins)
+    key = f"prompt_int4|{cpu_isa.selected()}|{dtype}|{threads}|{shapes}"
+    stored = probe_cache.get(key)
+    if stored is not None:
+        return bool(stored[0])
+    import time  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(0)
+    dense = quant = 0.0
+    for lin in lins:
+        x = torch.randn(PROMPT_PROBE_ROWS, lin.k, generator=gen).to(dtype)
+        for f in (lin._dense, lin._quantized):
+            f(x)
+            best = math.inf
+            for _ in range(3):
+                t0 = time.perf_counter()
+                f(x)
+                best = min(best, time.perf_counter() - t0)
+            if f == lin._dense:
+                dense += best
+            else:
+                quant += best
+    faster = quant < dense
+    probe_cache.put(key, [int(faster), round(dense * 1e6), round(quant * 1e6)])
+    return faster
+
+
 def _cat_q4(parts):
     """Concatenate ``q4`` triples along N (None if any part lacks one)."""
     if any(p is None for p in parts):
@@ -459,10 +522,16 @@ class LlamaModel:
             matmuls and an int8 LM head, prompt rows the dense ones (``RowRoles``; the caller passes the
             roles to ``forward``). Batch-invariant, since the format follows the token, not the step; a
             decode step then streams a third of the bytes of dense bf16.
+        prompt_int4: with ``generated_int4``, prompt rows take ``q4_gemm`` too and the dense weights are
+            freed (``Linear.drop_dense``; the all-int4 mode: one kernel per layer for every row, so a block of
+            generated tokens holds the K/V a prompt would give and is prefix-cacheable). ``None``: whichever
+            of the two prompt-row paths ``q4_prompt_rows`` measures faster on this machine at load (stored in
+            ``backend.probe_cache``), fixed for the process, never chosen per batch.
 
     Attributes:
         config: the ``LlamaConfig``.
         kv_dtype: dtype of the KV cache (== the compute dtype).
+        generated_int4 / prompt_int4: the row formats in force (``prompt_int4`` implies ``generated_int4``).
     """
 
     #: steps with at most this many tokens build per-token RoPE matrices and rotate Q and K with one bmm
@@ -478,6 +547,7 @@ class LlamaModel:
         prepack: bool = True,
         fused: bool = True,
         generated_int4: bool = False,
+        prompt_int4: bool | None = False,
     ):
         cfg = weights.config
         self.config = cfg
@@ -555,6 +625,16 @@ class LlamaModel:
             int8_small=quantized,
             float32_q4=self.generated_int4,
         )
+        lins = [lin for layer in self.layers for lin in layer[1:6] if isinstance(lin, Linear)]
+        lins.append(self.lm_head)
+        if not self.generated_int4:
+            prompt_int4 = False
+        elif prompt_int4 is None:
+            prompt_int4 = q4_prompt_rows(list(self.layers[0][1:3]) + list(self.layers[0][4:6]), dtype)
+        if prompt_int4:
+            for lin in lins:
+                lin.drop_dense()
+        self.prompt_int4 = bool(prompt_int4)
         self.inv_freq = rope_inv_freq(cfg, weights.rope_freqs)
         self._cos = self._sin = None
         self._rope_len = 0

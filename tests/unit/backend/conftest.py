@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from backend.model_path import generated_int4
+from backend.model_path import generated_int4, prompt_int4
 from backend.model_runner import ModelRunner
 
 
@@ -35,6 +35,7 @@ def one_thread_runner(model_path, _runner_cache) -> Iterator[Callable[..., Model
                 num_kv_blocks=400,
                 num_threads=1,
                 generated_int4=generated_int4(weights, "cpu"),
+                prompt_int4=prompt_int4(weights),
             )
         return _runner_cache[key]
 

@@ -117,20 +117,26 @@ def _greedy(r: ModelRunner, chat_fixtures: list[dict]) -> None:
 
 
 TEACHER_STEPS = 24  # generated positions per fixture chat (the chats have 8-64 greedy ids)
-#: the float32 int4 mode's bound on the exact mode's top-50 logits, and the reference top-2 gap under which
-#: its greedy pick may differ: int8 activations (Q8_1, llama.cpp's own scheme) put each generated position
-#: ~0.4 (up to 0.8 in the 986-token chat) from the float32 logits
-INT8_LOGIT_BOUND, INT8_NEAR_TIE = 1.0, 0.2
+#: per float32 ``--weights`` mode, the bound on the exact mode's top-50 logits: int8 activations (Q8_1,
+#: llama.cpp's own scheme) put each generated position ~0.4 from the float32 logits, up to 0.8 in the
+#: 986-token chat with dense prompt rows (``mixed``) and 1.4 with int4 prompt rows too (``int4``)
+INT8_LOGIT_BOUND = {"mixed": 1.0, "int4": 1.6}
+#: the reference top-2 gap under which the greedy pick may differ
+INT8_NEAR_TIE = 0.2
 
 
-def test_float32_int4_teacher_forced_close_to_the_exact_mode(one_thread_runner, chat_fixtures) -> None:
-    """The fast mode without native bf16 (float32 activations, generated rows through ``q4_gemm``) against the
-    exact mode (float32, dense weights) at every generated position of the fixture chats, the reference
-    greedy ids fed as decode steps to both: the exact mode's top-50 logits within ``INT8_LOGIT_BOUND``, and
-    the greedy ids the same up to the first step whose reference top-2 gap is under ``INT8_NEAR_TIE``.
-    Measured on a 2-core EPYC (AVX2), 106 positions: worst 0.82, median 0.38 (docs/kernels.md)."""
-    exact, fast = one_thread_runner("float32"), one_thread_runner("float32", "int4")
-    assert fast.generated_int4 and fast.card.weights == "int4" and exact.card.weights == "dense"
+@pytest.mark.parametrize("weights", ["mixed", "int4"])
+def test_float32_int4_teacher_forced_close_to_the_exact_mode(
+    one_thread_runner, chat_fixtures, weights
+) -> None:
+    """The fast modes without native bf16 (float32 activations through ``q4_gemm``: generated rows only, or
+    every row) against the exact mode (float32, dense weights) at every generated position of the fixture
+    chats, the reference greedy ids fed as decode steps to both: the exact mode's top-50 logits within
+    ``INT8_LOGIT_BOUND``, and the greedy ids the same up to the first step whose reference top-2 gap is under
+    ``INT8_NEAR_TIE``. Measured on a 2-core EPYC (AVX2): ``mixed`` worst 0.82, median 0.37 over 106
+    positions; ``int4`` worst 1.40, median 0.46 over 112 (docs/kernels.md)."""
+    exact, fast = one_thread_runner("float32"), one_thread_runner("float32", weights)
+    assert fast.generated_int4 and fast.card.weights == weights and exact.card.weights == "dense"
     worst: list[float] = []
     for case in chat_fixtures:
         ids, want = case["prompt_ids"], case["greedy_ids"][:TEACHER_STEPS]
@@ -142,13 +148,13 @@ def test_float32_int4_teacher_forced_close_to_the_exact_mode(one_thread_runner, 
         for j, chunk in enumerate(steps):
             ref, got = exact.execute([chunk])[0], fast.execute([chunk])[0]
             top = ref.topk(50).indices
-            if j:  # position 0 is the prompt's last row: a prompt row, dense in both modes
+            if j or fast.prompt_int4:  # position 0 is the prompt's last row: dense in the mixed mode
                 worst.append((got[top] - ref[top]).abs().max().item())
             agree = agree and case["greedy_top2_gap"][j] >= INT8_NEAR_TIE
             if agree:
                 assert int(got.argmax()) == want[j], (case["name"], j)
     worst_t = torch.tensor(worst)
     print(
-        f"float32 int4 vs exact: worst {worst_t.max():.3f}, median {worst_t.median():.3f} over {len(worst)}"
+        f"float32 {weights} vs exact: worst {worst_t.max():.3f}, median {worst_t.median():.3f} over {len(worst)}"
     )
-    assert worst_t.max().item() < INT8_LOGIT_BOUND
+    assert worst_t.max().item() < INT8_LOGIT_BOUND[weights]
