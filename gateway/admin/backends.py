@@ -83,7 +83,7 @@ class Backend(msgspec.Struct, kw_only=True):
     mode: Annotated[
         str | None,
         msgspec.Meta(
-            description="compute dtype and generated rows' weights, e.g. 'float32 int4'; null: not running"
+            description="compute dtype and weight formats (int4, mixed or dense), e.g. 'float32 int4'; null: not running"
         ),
     ] = None
     stats: BackendEngineStats | None = None  # null: not running, or no answer in time
