@@ -21,7 +21,9 @@ question, so a server with a prefix cache computes the document once.
 ``--peer URL``: the suite (closed loop at 1 and ``--peer-concurrency`` streams, short-prompt TTFT,
 cold ``--cold-tokens`` TTFT, the mixed open loop at ``--rate``, default 12/s) runs against ``--base-url``
 and then against the peer, workload by workload, back to back, and each figure is printed with its ratio
-ours / peer. ``--workloads`` picks some of ``closed1,closedN,short,cold,open``.
+ours / peer. ``--workloads`` picks some of ``closed1,closedN,short,cold,open,turn2`` (``turn2``: the
+second turn of a two-turn chat against a one-turn prompt of the new turn's length, ``run_two_turn``;
+not in the default list).
 
 ``--speculative``: the prompt sets of ``bench/spec_prompts.py`` (``grounded``: quote, summarize, edit or extract
 from a given text, the answer reusing spans of the prompt; ``open``: open-ended chat), one request at a time,
@@ -243,7 +245,50 @@ async def one(
     return res
 
 
+async def run_two_turn(args) -> dict:
+    """``--workloads turn2``: per request, a first turn (a distinct ``--turn-tokens`` prompt, answered up to
+    64 tokens, stopping at EOS), then the second turn (that history, the answer and a new ~64-token user
+    message; 2 tokens) and a one-turn prompt of the new message's length alone (2 tokens), one at a time.
+    Returns the TTFTs of both and ``turn_ratio`` = p50 second-turn TTFT / p50 one-turn TTFT (a server whose
+    prefix cache keeps the previous answer computes only the new turn: about 1)."""
+    results: dict[str, list[Result]] = {"first": [], "second": [], "one": []}
+    plain = {"ignore_eos": False, "skip_special_tokens": True}
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
+        for i in range(args.num_requests):
+            rng = random.Random(f"turn2:{args.seed}:{i}")
+            history = [{"role": "user", "content": make_prompt(args.turn_tokens, i, rng)}]
+            a1 = argparse.Namespace(**{**vars(args), "output_tokens": 64, "ignore_eos": False})
+            first = await one(client, a1, i, rng, history, plain)
+            results["first"].append(first)
+            if not first.ok:
+                continue
+            a2 = argparse.Namespace(**{**vars(args), "output_tokens": 2, "ignore_eos": False})
+            turn = {"role": "user", "content": make_prompt(64, 10_000 + i, rng)}
+            second = [*history, {"role": "assistant", "content": first.text}, turn]
+            results["second"].append(await one(client, a2, i, rng, second, plain))
+            alone = {"role": "user", "content": make_prompt(64, 20_000 + i, rng)}
+            results["one"].append(await one(client, a2, i, rng, [alone], plain))
+    every = [r for rs in results.values() for r in rs]
+    second_ttft = summary([r.ttft for r in results["second"] if r.ok])
+    one_ttft = summary([r.ttft for r in results["one"] if r.ok])
+    ratio = None
+    if second_ttft["p50"] is not None and one_ttft["p50"]:
+        ratio = second_ttft["p50"] / one_ttft["p50"]
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "requests": len(every),
+        "ok": sum(r.ok for r in every),
+        "errors": sum(not r.ok for r in every),
+        "second_turn_ttft_ms": second_ttft,
+        "one_turn_ttft_ms": one_ttft,
+        "turn_ratio": ratio,
+    }
+
+
 async def run(args) -> dict:
+    if getattr(args, "two_turn", False):
+        return await run_two_turn(args)
     limits = httpx.Limits(
         max_connections=max(args.concurrency, 256), max_keepalive_connections=max(args.concurrency, 256)
     )
@@ -366,6 +411,14 @@ def suite(args) -> dict[str, tuple[dict, list[tuple[str, Callable[[dict], float 
                 "output_tokens": 1,
             },
             [(f"cold {args.cold_tokens}-token TTFT p50 ms", lambda r: r["ttft_ms"]["p50"])],
+        ),
+        "turn2": (
+            {"concurrency": 1, "rate": 0.0, "num_requests": 6, "mix": False, "two_turn": True},
+            [
+                ("2nd-turn TTFT p50 ms", lambda r: r["second_turn_ttft_ms"]["p50"]),
+                ("1-turn TTFT p50 ms (the new turn alone)", lambda r: r["one_turn_ttft_ms"]["p50"]),
+                ("2nd-turn / 1-turn TTFT", lambda r: r["turn_ratio"]),
+            ],
         ),
         "open": (
             {
@@ -699,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-concurrency", type=int, default=32)
     ap.add_argument("--workloads", default="closed1,closedN,short,cold,open")
     ap.add_argument("--cold-tokens", type=int, default=2000)
+    ap.add_argument("--turn-tokens", type=int, default=512, help="turn2: the first turn's prompt (tokens)")
     ap.add_argument("--open-output-tokens", type=int, default=96)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)

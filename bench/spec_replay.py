@@ -33,12 +33,12 @@ from backend.proposer import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, DraftPolicy  
 Proposer = Callable[[int], DraftPolicy]
 
 
-def replay(answers: list[dict], make: Proposer, k: int, max_tokens: int) -> dict[str, float]:
+def replay(answers: list[dict], make: Proposer, k: int, max_tokens: int) -> dict:
     """Simulate speculative decoding of ``answers`` with ``make(k)`` as each sequence's policy.
 
     Returns tokens (answer tokens after the first, which prefill samples), steps (decode steps), verify
-    steps, drafted and accepted tokens."""
-    tot = {"tokens": 0, "steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0}
+    steps, drafted and accepted tokens, and ``by_len``: verify steps per draft length."""
+    tot = {"tokens": 0, "steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "by_len": {}}
     for a in answers:
         prompt, out = a["prompt_ids"], a["output_ids"]
         policy = make(k)
@@ -57,6 +57,7 @@ def replay(answers: list[dict], make: Proposer, k: int, max_tokens: int) -> dict
                 tot["verify_steps"] += 1
                 tot["drafted"] += len(draft)
                 tot["accepted"] += matched
+                tot["by_len"][len(draft)] = tot["by_len"].get(len(draft), 0) + 1
             step = min(matched + 1, len(out) - i)
             i += step
             tot["steps"] += 1
@@ -67,14 +68,20 @@ def replay(answers: list[dict], make: Proposer, k: int, max_tokens: int) -> dict
 def record(args: argparse.Namespace) -> int:
     """Greedy answers of both prompt sets, speculation off, written to ``args.record``."""
     from backend.engine import Engine, collect_tokens
-    from backend.model_path import default_dtype, default_model_path
+    from backend.model_path import default_dtype, default_model_path, generated_int4, prompt_int4
     from backend.model_runner import ModelRunner
     from backend.protocol import SamplingParams, Submit
     from bench.spec_prompts import SETS
     from templating import ChatTemplate, cached_tokenizer
 
     path = args.model or default_model_path()
-    runner = ModelRunner(path, dtype=args.dtype or default_dtype(), num_threads=args.threads)
+    runner = ModelRunner(
+        path,
+        dtype=args.dtype or default_dtype(),
+        num_threads=args.threads,
+        generated_int4=generated_int4(args.weights, "cpu"),
+        prompt_int4=prompt_int4(args.weights),
+    )
     template = ChatTemplate(cached_tokenizer(path))
     engine = Engine(runner)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, speculative=False)
@@ -90,7 +97,12 @@ def record(args: argparse.Namespace) -> int:
                 f"{set_name} {name}: {len(ids)} prompt / {len(data[set_name][-1]['output_ids'])} out",
                 file=sys.stderr,
             )
-    meta = {"dtype": runner.card.dtype, "output_len": args.output_len, "model": path}
+    meta = {
+        "dtype": runner.card.dtype,
+        "weights": runner.card.weights,
+        "output_len": args.output_len,
+        "model": path,
+    }
     Path(args.record).write_text(json.dumps({"meta": meta, "sets": data}))
     return 0
 
@@ -102,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model")
     ap.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--weights", default="auto", help="as the backend's --weights (default auto)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--k", type=int, nargs="+", default=[3, 4, 5, 8], help="draft lengths to replay")
     ngrams = f"{PROMPT_LOOKUP_MIN}-{PROMPT_LOOKUP_MAX}"
@@ -109,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         "--ngrams", default=ngrams, help=f"n-gram lengths min-max (default {ngrams}, the backend's)"
     )
     ap.add_argument("--verify-cost", type=float, default=1.3, help="a verify step's cost in decode steps")
+    ap.add_argument(
+        "--row-costs",
+        default=None,
+        help="comma-separated cost of a step of 1, 2, ... rows in 1-row steps (measured, e.g. with "
+        "bench/model_step.py): a verify step of a d-token draft costs entry d+1 (the last entry past the "
+        "list); instead of --verify-cost",
+    )
     args = ap.parse_args(argv)
     if args.record:
         return record(args)
@@ -118,15 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     lo, hi = (int(x) for x in args.ngrams.split("-"))
     max_tokens = doc["meta"]["output_len"]
     print(
-        f"answers: {doc['meta']['dtype']}, max_tokens {max_tokens}; n-grams {lo}-{hi}; verify step = "
-        f"{args.verify_cost} decode steps"
+        f"answers: {doc['meta']['dtype']} {doc['meta'].get('weights', '')}, max_tokens {max_tokens}; n-grams "
+        f"{lo}-{hi}; verify step = "
+        + (f"row costs {args.row_costs}" if args.row_costs else f"{args.verify_cost} decode steps")
     )
+    row_costs = [float(x) for x in args.row_costs.split(",")] if args.row_costs else None
     print("| K | set | tokens/step | acceptance | steps with a draft | est. speed-up |")
     print("|---|---|---|---|---|---|")
     for k in args.k:
         for set_name, answers in doc["sets"].items():
             t = replay(answers, lambda kk: DraftPolicy(kk, lo, hi), k, max_tokens)
-            cost = t["steps"] + t["verify_steps"] * (args.verify_cost - 1.0)
+            if row_costs:
+                verify = sum(n * row_costs[min(d, len(row_costs) - 1)] for d, n in t["by_len"].items())
+                cost = t["steps"] - t["verify_steps"] + verify
+            else:
+                cost = t["steps"] + t["verify_steps"] * (args.verify_cost - 1.0)
             print(
                 f"| {k} | {set_name} | {t['tokens'] / t['steps']:.2f} | "
                 f"{t['accepted'] / max(1, t['drafted']):.2f} | {t['verify_steps'] / t['steps']:.2f} | "
