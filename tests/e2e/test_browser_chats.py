@@ -292,7 +292,9 @@ def test_view_code_is_the_request_and_inspect_entry(gw, page):  # noqa: F811 - f
     assert resp["object"] == "chat.completion" and len(resp["choices"]) == 2
     usage = resp["usage"]
     lps = [c["logprobs"]["content"] for c in resp["choices"]]
-    assert sum(len(x) for x in lps) == usage["completion_tokens"]
+    # one entry per token of the content; a choice that ended at EOS also counts the EOS token it generated
+    eos_ended = sum(c["finish_reason"] == "stop" for c in resp["choices"])
+    assert sum(len(x) for x in lps) + eos_ended == usage["completion_tokens"], resp["choices"]
     assert all(len(t["top_logprobs"]) == 2 for x in lps for t in x)
     assert resp["timings"] and resp["id"]
     assert entry["request_id"] == entry["headers"]["x-request-id"]

@@ -11,26 +11,13 @@ running or holding KV blocks afterwards.
 from __future__ import annotations
 
 import pytest
-from plugins.gateway_server import post_json, stream_post
+from plugins.gateway_server import NEAR_TIE_INT4, post_json, reference_prefix, stream_post
 
 from backend.model_path import default_dtype
 from templating import cached_tokenizer
 
 CHAT = "/v1/chat/completions"
 NEAR_TIE = 0.1  # reference top-2 logit gap under which bf16 rounding may pick the other token
-#: the same for float32 activations through the int4 kernel (int8 activations: logits ~0.4 off, at most
-#: ~1.4; tests/unit/backend/test_q4_gemm.py)
-NEAR_TIE_INT8 = 0.2
-
-
-def _reference_prefix(case: dict, near_tie: float) -> list[int]:
-    """The reference greedy ids before the first step whose top-2 gap is a near tie."""
-    out = []
-    for tok, gap in zip(case["greedy_ids"], case["greedy_top2_gap"]):
-        if gap < near_tie:
-            break
-        out.append(tok)
-    return out
 
 
 @pytest.mark.timeout(900)
@@ -39,12 +26,12 @@ def test_default_mode_follows_the_reference(make_gateway, chat_fixtures, model_p
     models = gw.openai().models.list().data
     card = models[0].model_extra
     assert card["dtype"] == default_dtype()
-    near_tie = NEAR_TIE_INT8 if card["dtype"] == "float32" and card["weights"] != "dense" else NEAR_TIE
+    near_tie = NEAR_TIE_INT4 if card["dtype"] == "float32" and card["weights"] != "dense" else NEAR_TIE
     tok = cached_tokenizer(model_path)
     baseline = gw.wait_idle()["kv_blocks_used"]
     checked = 0
     for case in chat_fixtures:
-        prefix = _reference_prefix(case, near_tie)
+        prefix = reference_prefix(case, near_tie)
         if len(prefix) < 8:
             continue  # a near tie within the first tokens leaves nothing worth comparing
         body = {

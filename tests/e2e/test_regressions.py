@@ -8,7 +8,8 @@ from plugins.gateway_server import chat_body, post_json
 
 def test_no_max_tokens_fits_the_served_context(gateway, chat_fixtures):
     """Omitting max_tokens means "up to the served context", which never exceeds the KV pool (was: 400 always)."""
-    case = next(c for c in chat_fixtures if c["name"] == "capital")
+    # every top-2 gap of its reference is at least 0.2: the same greedy answer in the exact and the int4 mode
+    case = next(c for c in chat_fixtures if c["name"] == "multiturn")
     r = post_json(
         gateway, "/v1/chat/completions", chat_body(gateway, messages=case["messages"], temperature=0)
     )

@@ -1,15 +1,17 @@
 """Pytest fixtures that run a real gateway (``python -m gateway serve``) with a real backend process.
 
 * ``gateway`` (session scope): ONE gateway subprocess on a free loopback port, spawned backend with the
-  default model in float32, admin key, temp tenancy DB, 1 s SSE heartbeats. Most gateway tests share it.
+  default model in float32 with int4 weights, admin key, temp tenancy DB, 1 s SSE heartbeats. Most gateway tests share it.
 * ``make_gateway`` (function scope factory): a private gateway for tests that break it (crash test);
   stopped at the end of the test.
 
-Every gateway started here runs its backend with ``--dtype float32 --weights dense`` unless the caller passes
+Every gateway started here runs its backend with ``--dtype float32 --weights int4`` unless the caller passes
 another ``dtype`` (``None``: the served default mode, ``backend.model_path.default_dtype()`` with ``--weights
-auto``): float32 with dense weights is the exact mode, within 1e-3 of the
-reference logits and invariant to batching and prefix caching, which the tests that compare text, repeat
-a seed or run requests side by side rely on.
+auto``) or ``weights``: float32 activations with every row through the row-invariant int4 kernel give the
+same bits on every x86 ISA the kernels build for, are invariant to batching and prefix caching (which the
+tests that repeat a seed or run requests side by side rely on) and decode ~2.5x faster than the exact mode
+(``weights="dense"``: logits within 1e-3 of the reference), whose greedy text they follow up to the
+reference's first near tie (``reference_prefix``).
 
 ``GatewayProc`` gives the base URL, the admin key, the API key to use (a tenant key created through the
 admin API when tenancy is wired in, else a dummy), the served model name, and helpers: ``stats()``
@@ -169,11 +171,13 @@ def start_gateway(
     heartbeat: float = 1.0,
     env: dict | None = None,
     dtype: str | None = "float32",
+    weights: str = "int4",
     nofile: int | None = None,
 ) -> GatewayProc:
     """Start ``python -m gateway serve`` on a free port and wait until /readyz is 200.
 
-    ``dtype`` is passed as ``--dtype`` (``None``: no flag, the served default). ``nofile``: the process's
+    ``dtype`` is passed as ``--dtype`` and ``weights`` as ``--weights`` (``dtype=None``: neither, the served
+    default mode). ``nofile``: the process's
     open-file limit, soft and hard (so the gateway cannot raise it), else the test run's.
 
     Raises:
@@ -199,7 +203,7 @@ def start_gateway(
         "--sse-heartbeat",
         str(heartbeat),
         *(["--dtype", dtype] if dtype else []),
-        *(["--weights", "dense"] if dtype == "float32" else []),  # float32 + dense: the exact mode
+        *(["--weights", weights] if dtype else []),
         *extra_args,
     ]
     logf = open(log_path, "wb")
@@ -230,6 +234,21 @@ def start_gateway(
     models = httpx.get(gp.base_url + "/v1/models", headers=gp.headers(), timeout=10).json()
     gp.model = models["data"][0]["id"]
     return gp
+
+
+#: the reference's top-2 logit gap under which a float32 run through the int4 kernel may pick the other token
+#: (int8 activations: logits ~0.4 from the exact mode, at most ~1.4; tests/unit/backend/test_q4_gemm.py)
+NEAR_TIE_INT4 = 0.2
+
+
+def reference_prefix(case: dict, near_tie: float = NEAR_TIE_INT4) -> list[int]:
+    """A fixture chat's reference greedy ids before the first step whose top-2 gap is under ``near_tie``."""
+    out = []
+    for tok, gap in zip(case["greedy_ids"], case["greedy_top2_gap"]):
+        if gap < near_tie:
+            break
+        out.append(tok)
+    return out
 
 
 @pytest.fixture(scope="session")
