@@ -1,5 +1,6 @@
-"""Engine acceptance tests on the real model (CPU, fp32): batching, preemption, prefix cache, chunked
-prefill, aborts.
+"""Engine acceptance tests on the real model (CPU, float32 with every row through the row-invariant int4
+kernel where the CPU kernels have it; the reference fixture in the exact mode): batching, preemption, prefix
+cache, chunked prefill, aborts.
 
 Greedy output does not depend on the batch; an abort frees everything; preemption by recompute keeps
 outputs exact (no duplicated or missing tokens); chunked prefill keeps decodes and short prompts moving.
@@ -11,6 +12,7 @@ import json
 
 import pytest
 
+from backend import cpu_kernels
 from backend.engine import Engine, collect_tokens, final_output
 from backend.model_runner import ModelRunner
 from backend.protocol import SamplingParams, Submit
@@ -20,7 +22,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runner(model_path):
-    return ModelRunner(model_path, num_kv_blocks=600)
+    """float32 activations, ``--weights int4`` where ``q4_gemm`` is built (batch invariant like the exact mode,
+    ~2.5x faster decode), else the exact mode."""
+    int4 = cpu_kernels.q4_ready()
+    return ModelRunner(model_path, num_kv_blocks=600, generated_int4=int4, prompt_int4=int4)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +58,8 @@ def run(engine, items):
     return [res[str(i)] for i in range(len(items))]
 
 
-def test_greedy_matches_reference_fixture(runner, chat_fixtures):
-    eng = Engine(runner)
+def test_greedy_matches_reference_fixture(one_thread_runner, chat_fixtures):
+    eng = Engine(one_thread_runner("float32"))  # the exact mode
     for c in chat_fixtures[:3]:
         ids = json.loads(c["prompt_ids"]) if isinstance(c["prompt_ids"], str) else c["prompt_ids"]
         ref = json.loads(c["greedy_ids"]) if isinstance(c["greedy_ids"], str) else c["greedy_ids"]
