@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from backend import cpu_kernels
 from backend.engine import Engine
 from backend.model_runner import ModelRunner
 from backend.protocol import RequestError, RequestOutput, SamplingParams, Submit
@@ -11,7 +12,9 @@ from backend.protocol import RequestError, RequestOutput, SamplingParams, Submit
 
 @pytest.fixture(scope="module")
 def runner(model_path):
-    return ModelRunner(model_path, num_kv_blocks=64)
+    """float32, every row through the row-invariant int4 kernel where it is built (else the exact mode)."""
+    int4 = cpu_kernels.q4_ready()
+    return ModelRunner(model_path, num_kv_blocks=64, generated_int4=int4, prompt_int4=int4)
 
 
 def test_finished_request_keeps_its_final_output_when_a_later_one_fails(runner, chat_fixtures):

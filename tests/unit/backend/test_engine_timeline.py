@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from backend import cpu_kernels
 from backend.engine import Engine, final_output
 from backend.model_runner import ModelRunner
 from backend.protocol import SamplingParams, Submit
@@ -14,7 +15,9 @@ from backend.sequence import SeqTimeline
 
 @pytest.fixture(scope="module")
 def runner(model_path):
-    return ModelRunner(model_path, num_kv_blocks=64)
+    """float32, every row through the row-invariant int4 kernel where it is built (else the exact mode)."""
+    int4 = cpu_kernels.q4_ready()
+    return ModelRunner(model_path, num_kv_blocks=64, generated_int4=int4, prompt_int4=int4)
 
 
 def _greedy(**kw) -> SamplingParams:

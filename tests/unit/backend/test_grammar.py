@@ -19,6 +19,7 @@ import jsonschema
 import msgspec
 import pytest
 
+from backend import cpu_kernels
 from backend import grammar as G
 from backend.engine import Engine, collect_tokens, final_output
 from backend.model_runner import ModelRunner
@@ -62,7 +63,9 @@ def gram(kind: str, source: str | dict) -> Grammar:
 
 @pytest.fixture(scope="module")
 def runner(model_path):
-    return ModelRunner(model_path, num_kv_blocks=128)
+    """float32, every row through the row-invariant int4 kernel where it is built (else the exact mode)."""
+    int4 = cpu_kernels.q4_ready()
+    return ModelRunner(model_path, num_kv_blocks=128, generated_int4=int4, prompt_int4=int4)
 
 
 @pytest.fixture(scope="module")

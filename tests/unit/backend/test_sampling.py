@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from backend import cpu_kernels
 from backend.batch import SeqChunk
 from backend.engine import Engine, collect_tokens, final_output
 from backend.model_runner import ModelRunner
@@ -24,7 +25,9 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def runner(model_path):
-    return ModelRunner(model_path, num_kv_blocks=128)
+    """float32, every row through the row-invariant int4 kernel where it is built (else the exact mode)."""
+    int4 = cpu_kernels.q4_ready()
+    return ModelRunner(model_path, num_kv_blocks=128, generated_int4=int4, prompt_int4=int4)
 
 
 @pytest.fixture(scope="module")
